@@ -1,0 +1,161 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ``method: "ddtree"`` speculative config: parsing and validation.
+
+Users write::
+
+    --speculative-config '{"method": "ddtree", "model": "<DFlash drafter>",
+                           "num_speculative_tokens": 64,
+                           "ddtree": {"force_spine": false}}'
+
+``num_speculative_tokens`` is the tree budget ``B`` (nodes per request, root
+excluded). vLLM itself only knows ``"dflash"``; the plugin rewrites the method
+to ``"dflash"`` (so every DFlash code path, drafter loading included, keeps
+working) and carries the DDTree settings inside the drafter's
+``dflash_config`` dict, which travels to the engine core and to every worker
+with the rest of the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+METHOD = "ddtree"
+# Key under ``draft_model_config.hf_config.dflash_config`` carrying the settings.
+CONFIG_KEY = "ddtree"
+# The DFlash block size of the released Qwen3 drafters (bonus + 15 masks).
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class DDTreeConfig:
+    """Settings of one DDTree engine.
+
+    Attributes:
+        budget: ``B``, tree nodes per request excluding the root (the user's
+            ``num_speculative_tokens``).
+        max_depth: deepest tree level; the drafter is asked for this many
+            positions. Defaults to the drafter's ``block_size - 1``.
+        force_spine: always keep the drafter's top-1 chain in the tree, which
+            helps at small budgets where a best-first tree may drop it.
+    """
+
+    budget: int
+    max_depth: int
+    force_spine: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_USER_KEYS = {"force_spine", "max_depth"}
+
+
+def _fail(field: str, problem: str, fix: str) -> ValueError:
+    return ValueError(
+        f"speculative_config[{field!r}] {problem}. {fix} (method 'ddtree')."
+    )
+
+
+def parse_user_options(spec: dict[str, Any]) -> dict[str, Any]:
+    """Validate the user's ``speculative_config`` for DDTree and split it.
+
+    Returns the dict to hand to vLLM (method rewritten to ``dflash``); the
+    DDTree-only options are left in the returned dict under ``"ddtree"`` for
+    :func:`finalize` to consume once the drafter's config is known.
+    """
+    spec = dict(spec)
+    if not spec.get("model"):
+        raise _fail(
+            "model",
+            "is missing",
+            "Pass the path or name of a DFlash drafter "
+            '(architectures ["DFlashDraftModel"])',
+        )
+    budget = spec.get("num_speculative_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise _fail(
+            "num_speculative_tokens",
+            f"must be a positive integer (the tree budget B), got {budget!r}",
+            "Set it to the number of tree nodes per request, e.g. 64",
+        )
+    options = spec.pop(CONFIG_KEY, None) or {}
+    if not isinstance(options, dict):
+        raise _fail(CONFIG_KEY, f"must be a dict, got {options!r}", "Use {...}")
+    unknown = set(options) - _USER_KEYS
+    if unknown:
+        raise _fail(
+            CONFIG_KEY,
+            f"has unknown keys {sorted(unknown)}",
+            f"Valid keys are {sorted(_USER_KEYS)}",
+        )
+    if "force_spine" in options and not isinstance(options["force_spine"], bool):
+        raise _fail(
+            "ddtree.force_spine",
+            f"must be true or false, got {options['force_spine']!r}",
+            "Use a JSON boolean",
+        )
+    if "max_depth" in options:
+        depth = options["max_depth"]
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise _fail(
+                "ddtree.max_depth",
+                f"must be a positive integer, got {depth!r}",
+                "Leave it out to use the drafter's block_size - 1",
+            )
+    spec["method"] = "dflash"
+    spec[CONFIG_KEY] = options
+    return spec
+
+
+def finalize(speculative_config: Any, options: dict[str, Any]) -> DDTreeConfig:
+    """Check the loaded drafter and attach the DDTree settings to it."""
+    draft_hf = speculative_config.draft_model_config.hf_config
+    archs = list(getattr(draft_hf, "architectures", None) or [])
+    if "DFlashDraftModel" not in archs:
+        raise _fail(
+            "model",
+            f"is not a DFlash drafter (architectures {archs})",
+            'DDTree needs a drafter with architectures ["DFlashDraftModel"]',
+        )
+    dflash_config = getattr(draft_hf, "dflash_config", None)
+    if not isinstance(dflash_config, dict):
+        raise _fail(
+            "model",
+            "has no dflash_config in its config.json",
+            "Use a DFlash drafter checkpoint (dflash_config with mask_token_id"
+            " and target_layer_ids)",
+        )
+    block_size = int(getattr(draft_hf, "block_size", None) or DEFAULT_BLOCK_SIZE)
+    max_depth = options.get("max_depth", block_size - 1)
+    if max_depth > block_size - 1:
+        raise _fail(
+            "ddtree.max_depth",
+            f"is {max_depth} but the drafter predicts only block_size - 1 = "
+            f"{block_size - 1} positions",
+            f"Use a value <= {block_size - 1}",
+        )
+    cfg = DDTreeConfig(
+        budget=speculative_config.num_speculative_tokens,
+        max_depth=max_depth,
+        force_spine=options.get("force_spine", False),
+    )
+    dflash_config[CONFIG_KEY] = cfg.to_dict()
+    return cfg
+
+
+def get_ddtree_config_from_speculative(spec: Any) -> DDTreeConfig | None:
+    """The DDTree settings of a ``SpeculativeConfig``, or None for other methods."""
+    if spec is None or spec.method != "dflash" or spec.draft_model_config is None:
+        return None
+    dflash_config = getattr(spec.draft_model_config.hf_config, "dflash_config", None)
+    if not isinstance(dflash_config, dict) or CONFIG_KEY not in dflash_config:
+        return None
+    return DDTreeConfig(**dflash_config[CONFIG_KEY])
+
+
+def get_ddtree_config(vllm_config: Any) -> DDTreeConfig | None:
+    """The DDTree settings of an engine config, or None for non-DDTree runs."""
+    return get_ddtree_config_from_speculative(
+        getattr(vllm_config, "speculative_config", None)
+    )

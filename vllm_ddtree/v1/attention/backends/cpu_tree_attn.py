@@ -1,0 +1,195 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tree attention on CPU: vLLM's ``CPU_ATTN`` plus a torch path for trees.
+
+The plugin registers :class:`CPUTreeAttentionBackend` under the
+``CPU_ATTN`` name (the CPU platform ignores the selected backend). Without a
+published tree it is the stock backend. With one, the stock kernel runs over
+the whole batch as usual and the tree rows are then recomputed with
+``scaled_dot_product_attention``: each tree node attends to the request's
+whole context (gathered from the paged cache) plus its ancestors and itself.
+
+The CPU kernels store K/V in ISA-specific packed orders, so the cache layout
+is learnt once per shape by writing probe values through the stock
+``cpu_attn_reshape_and_cache`` op (:func:`probe_layout`) instead of being
+hard-coded here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+
+from vllm_ddtree.v1.attention.backends.tree_attn import (
+    PagedKVLayout,
+    TreeAttentionInfo,
+    current_tree,
+    slot_positions,
+)
+
+# Probe values must be exact in bf16/fp16: integers below 256 are.
+_DIGIT_BASE = 64
+_EMPTY, _OTHER = -1.0, -3.0
+
+
+@functools.cache
+def probe_layout(
+    isa: str, dtype: torch.dtype, block_size: int, num_kv_heads: int, head_size: int
+) -> PagedKVLayout:
+    """Learn where ``cpu_attn_reshape_and_cache`` puts each K/V element.
+
+    Writes one block's worth of tokens whose values are the base-64 digits
+    of each element's ``(head, offset, dim)`` index, one digit per probe, and
+    reads back which storage element received which index. K and V are
+    probed separately (the other one is written as a marker value).
+    """
+    numel = num_kv_heads * block_size * head_size
+    num_digits = max(1, math.ceil(math.log(numel, _DIGIT_BASE)))
+    ids = torch.arange(numel).view(num_kv_heads, block_size, head_size)
+    slots = torch.arange(block_size)
+
+    def storage_ids(probe_key: bool) -> torch.Tensor:
+        found = torch.zeros(2 * numel, dtype=torch.long)
+        for t in range(num_digits):
+            digit = (ids // _DIGIT_BASE**t) % _DIGIT_BASE
+            probe = digit.transpose(0, 1).to(dtype)  # [block_size, heads, dim]
+            marker = torch.full_like(probe, _OTHER)
+            cache = torch.full(
+                (1, num_kv_heads, block_size, 2 * head_size), _EMPTY, dtype=dtype
+            )
+            key_cache, value_cache = cache.view(
+                1, num_kv_heads, 2 * block_size, head_size
+            ).chunk(2, dim=2)
+            key, value = (probe, marker) if probe_key else (marker, probe)
+            ops.cpu_attn_reshape_and_cache(
+                key, value, key_cache, value_cache, slots, isa
+            )
+            flat = cache.view(-1).float()
+            if t == 0:
+                hit = (flat != _EMPTY) & (flat != _OTHER)
+                if int(hit.sum()) != numel:
+                    raise RuntimeError(
+                        f"cannot learn the CPU KV-cache layout for isa={isa}"
+                    )
+            found += torch.where(hit, flat, 0).long() * _DIGIT_BASE**t
+        index = torch.empty(numel, dtype=torch.long)
+        index[found[hit]] = torch.nonzero(hit).squeeze(1)
+        return index.view(num_kv_heads, block_size, head_size)
+
+    return PagedKVLayout(storage_ids(True), storage_ids(False), block_size)
+
+
+class CPUTreeAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        # Only causal target batches carry trees; the DFlash drafter's
+        # non-causal batches never do.
+        tree = current_tree() if common_attn_metadata.causal is True else None
+        metadata.tree = tree
+        return metadata
+
+
+class CPUTreeAttentionImpl(CPUAttentionBackendImpl):
+    def kv_layout(self, kv_cache: torch.Tensor) -> PagedKVLayout:
+        _, num_kv_heads, block_size, packed = kv_cache.shape
+        return probe_layout(
+            self.isa, kv_cache.dtype, block_size, num_kv_heads, packed // 2
+        )
+
+    def forward(
+        self,
+        layer,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata: CPUAttentionMetadata | None,
+        output,
+        output_scale=None,
+        output_block_scale=None,
+    ):
+        output = super().forward(
+            layer,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            output,
+            output_scale,
+            output_block_scale,
+        )
+        tree: TreeAttentionInfo | None = getattr(attn_metadata, "tree", None)
+        if tree is not None and self.attn_type == AttentionType.DECODER:
+            self._tree_forward(query, key, value, kv_cache, attn_metadata, tree, output)
+        return output
+
+    def _tree_forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CPUAttentionMetadata,
+        tree: TreeAttentionInfo,
+        output: torch.Tensor,
+    ) -> None:
+        if (
+            self.sliding_window != -1
+            or self.alibi_slopes is not None
+            or self.logits_soft_cap
+            or self.sinks is not None
+            or self.is_fp8_kv_cache
+        ):
+            raise NotImplementedError(
+                "CPU tree attention supports plain causal attention only (no "
+                "sliding window, ALiBi, soft-cap, sinks or fp8 KV cache)."
+            )
+        layout = self.kv_layout(kv_cache)
+        out = output.view(output.shape[0], self.num_heads, self.head_size)
+        for t, row in enumerate(tree.req_rows_cpu):
+            start, n = tree.q_start_cpu[t], tree.num_nodes_cpu[t]
+            ctx = tree.ctx_len_cpu[t]
+            slots = slot_positions(
+                metadata.block_table[row], torch.arange(ctx), layout.block_size
+            )
+            ctx_k, ctx_v = layout.gather(kv_cache, slots)
+            k = torch.cat([ctx_k, key[start : start + n]]).float()
+            v = torch.cat([ctx_v, value[start : start + n]]).float()
+            visible = torch.cat(
+                [torch.ones(n, ctx, dtype=torch.bool), tree.mask[t, :n, :n]], dim=1
+            )
+            result = F.scaled_dot_product_attention(
+                query[start : start + n].float().transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=visible,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            out[start : start + n] = result.transpose(0, 1).to(out.dtype)
+
+    def copy_kv_slots(
+        self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        self.kv_layout(kv_cache).copy_slots(kv_cache, src, dst)
+
+
+class CPUTreeAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls() -> type[CPUTreeAttentionImpl]:
+        return CPUTreeAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[CPUTreeAttentionMetadataBuilder]:
+        return CPUTreeAttentionMetadataBuilder

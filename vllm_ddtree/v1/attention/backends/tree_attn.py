@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Backend-independent pieces of tree attention.
+
+* :class:`TreeAttentionInfo` describes the tree-verify requests of one batch.
+  The DDTree model runner builds it once per step and *publishes* it while
+  vLLM builds the target's attention metadata (:func:`publish_tree`); the
+  tree backends' metadata builders pick it up with :func:`current_tree`.
+  vLLM's V1 builders only receive a ``CommonAttentionMetadata``, so this
+  per-process side channel is the least invasive way in.
+* :class:`PagedKVLayout` knows where the key and value of a (block, offset)
+  live inside one layer's KV-cache tensor, so tree attention can gather the
+  context and the runner can move accepted-path KV between slots, for any
+  backend layout (the CPU kernels pack K/V in ISA-specific orders).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TreeAttentionInfo:
+    """The tree-verify requests of one batch (``R`` of them).
+
+    Tensors live on the model's device; ``*_cpu`` twins are host lists for
+    the CPU path, which loops over requests.
+
+    Attributes:
+        req_rows: ``[R]`` batch row (request index) of each tree request.
+        q_start: ``[R]`` index of the request's root token in the batch.
+        num_nodes: ``[R]`` query tokens of the tree, root included.
+        ctx_len: ``[R]`` tokens before the root; the tree occupies cache
+            positions ``ctx_len .. ctx_len + num_nodes - 1``.
+        mask: ``[R, N, N]`` bool ancestor-or-self matrix of each tree.
+    """
+
+    req_rows: torch.Tensor
+    q_start: torch.Tensor
+    num_nodes: torch.Tensor
+    ctx_len: torch.Tensor
+    mask: torch.Tensor
+    req_rows_cpu: list[int]
+    q_start_cpu: list[int]
+    num_nodes_cpu: list[int]
+    ctx_len_cpu: list[int]
+
+
+_current_tree: TreeAttentionInfo | None = None
+
+
+@contextmanager
+def publish_tree(info: TreeAttentionInfo | None) -> Iterator[None]:
+    """Make ``info`` visible to tree metadata builders inside the block."""
+    global _current_tree
+    previous, _current_tree = _current_tree, info
+    try:
+        yield
+    finally:
+        _current_tree = previous
+
+
+def current_tree() -> TreeAttentionInfo | None:
+    """The tree published for the metadata being built, if any."""
+    return _current_tree
+
+
+class PagedKVLayout:
+    """Element index of every key / value entry inside one cache block.
+
+    ``key_index[h, off, d]`` (and ``value_index``) is the flat index, within
+    block ``b``'s storage ``storage[b]``, of head ``h``, in-block offset
+    ``off`` and channel ``d``. All blocks share the same map.
+    """
+
+    def __init__(
+        self,
+        key_index: torch.Tensor,
+        value_index: torch.Tensor,
+        block_size: int,
+    ) -> None:
+        self.key_index = key_index
+        self.value_index = value_index
+        self.block_size = block_size
+
+    @classmethod
+    def from_strides(cls, key_cache: torch.Tensor, value_cache: torch.Tensor):
+        """Layout of caches addressable as ``[block, offset, head, dim]`` views."""
+        _, block_size, num_heads, head_size = key_cache.shape
+        assert key_cache.stride(0) == value_cache.stride(0)
+
+        def index(view: torch.Tensor, base: int) -> torch.Tensor:
+            s = view.stride()
+            h = torch.arange(num_heads)[:, None, None] * s[2]
+            o = torch.arange(block_size)[None, :, None] * s[1]
+            d = torch.arange(head_size)[None, None, :] * s[3]
+            return (h + o + d + base).to(key_cache.device)
+
+        offset = value_cache.storage_offset() - key_cache.storage_offset()
+        return cls(index(key_cache, 0), index(value_cache, offset), block_size)
+
+    def _block_storage(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """``[num_blocks, elements_per_block]`` view of the cache storage."""
+        stride = kv_cache.stride(0)
+        return kv_cache.as_strided((kv_cache.shape[0], stride), (stride, 1))
+
+    def _where(self, index: torch.Tensor, slots: torch.Tensor):
+        blocks = torch.div(slots, self.block_size, rounding_mode="floor")
+        offsets = slots - blocks * self.block_size
+        return blocks[:, None, None], index[:, offsets, :].transpose(0, 1)
+
+    def gather(
+        self, kv_cache: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[len(slots), heads, head_size]`` of cache slots."""
+        storage = self._block_storage(kv_cache)
+        return (
+            storage[self._where(self.key_index, slots)],
+            storage[self._where(self.value_index, slots)],
+        )
+
+    def copy_slots(
+        self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """``cache[dst[i]] = cache[src[i]]`` for keys and values.
+
+        All sources are read before any destination is written, so
+        overlapping source and destination sets are fine.
+        """
+        storage = self._block_storage(kv_cache)
+        for index in (self.key_index, self.value_index):
+            storage[self._where(index, dst)] = storage[self._where(index, src)]
+
+
+def slot_positions(
+    block_table_row: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Cache slots of a request's token positions."""
+    blocks = block_table_row[torch.div(positions, block_size, rounding_mode="floor")]
+    return blocks.to(torch.long) * block_size + positions % block_size

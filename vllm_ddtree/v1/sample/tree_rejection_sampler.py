@@ -1,0 +1,164 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tree verification: the target's choice at every node, then a tree walk.
+
+Replaces vLLM's chain :class:`RejectionSampler` in the DDTree runner. Each
+request row of the verify batch carries ``n`` drafted nodes plus the root, and
+vLLM already computes target logits at all ``n + 1`` of them (in node order).
+The target's token at every node is its argmax (greedy) or a sample from the
+request's processed distribution (temperature / top-k / top-p, the request's
+generator if seeded); :func:`walk_trees` then follows those choices. No draft
+probabilities are involved: every emitted token is a target sample given its
+exact prefix, so the output distribution is the target's (no Leviathan-style
+``min(1, p/q)`` test, which is biased for top-k trees).
+
+The output keeps vLLM's format: ``[num_reqs, max_spec_len + 1]`` int32, the
+accepted drafted tokens then the bonus token, ``-1`` after. Everything
+downstream (``parse_output``, the scheduler's accounting and stats, DFlash's
+next-token preparation) works unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.rejection_sampler import (
+    PLACEHOLDER_TOKEN_ID,
+    RejectionSampler,
+    apply_sampling_constraints,
+)
+from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+from vllm_ddtree.v1.spec_decode.tree import WalkResult, walk_trees
+
+
+@dataclass
+class TreeVerifyInput:
+    """Tree structure of every row of the current verify batch.
+
+    ``parents`` is ``[num_reqs, N]`` on the device (root column and padding
+    ``-1``), ``max_depth`` bounds every node's depth.
+    """
+
+    parents: torch.Tensor
+    max_depth: int
+
+
+class TreeRejectionSampler(RejectionSampler):
+    def __init__(self, sampler, spec_config=None, device=None) -> None:
+        super().__init__(sampler, spec_config, device)
+        self.step: TreeVerifyInput | None = None
+        self.last_walk: WalkResult | None = None
+
+    def forward(
+        self,
+        metadata: SpecDecodeMetadata,
+        draft_probs: torch.Tensor | None,
+        logits: torch.Tensor,
+        sampling_metadata: SamplingMetadata,
+    ) -> SamplerOutput:
+        step, self.step = self.step, None
+        assert step is not None, "the DDTree runner publishes the trees first"
+        _check_supported(sampling_metadata)
+        device = logits.device
+        num_draft = np.asarray(metadata.num_draft_tokens, dtype=np.int64)
+        num_nodes = num_draft + 1
+        width = int(num_nodes.max())
+        # Logit row of node j of request r: node rows are consecutive.
+        starts = np.cumsum(num_nodes) - num_nodes
+        node_ids = np.arange(width)
+        valid = node_ids[None, :] < num_nodes[:, None]
+        logit_rows = np.where(valid, starts[:, None] + node_ids[None, :], 0)
+        draft_rows = np.where(
+            valid & (node_ids[None, :] > 0),
+            (np.cumsum(num_draft) - num_draft)[:, None] + node_ids[None, :] - 1,
+            0,
+        )
+        logit_rows_t = torch.from_numpy(logit_rows).to(device, non_blocking=True)
+        draft_rows_t = torch.from_numpy(draft_rows).to(device, non_blocking=True)
+        valid_t = torch.from_numpy(valid).to(device, non_blocking=True)
+        num_nodes_t = torch.from_numpy(num_nodes).to(device, non_blocking=True)
+
+        choices = self._target_choices(
+            logits,
+            torch.from_numpy(np.cumsum(num_nodes)).to(device, non_blocking=True),
+            sampling_metadata,
+        )
+        target_tokens = choices[logit_rows_t]
+        node_tokens = torch.where(
+            valid_t, metadata.draft_token_ids[draft_rows_t].long(), -1
+        )
+        node_tokens[:, 0] = -1
+        walk = walk_trees(
+            node_tokens,
+            step.parents[:, :width],
+            num_nodes_t,
+            target_tokens,
+            step.max_depth,
+        )
+        self.last_walk = walk
+        out = torch.full(
+            (len(num_draft), metadata.max_spec_len + 1),
+            PLACEHOLDER_TOKEN_ID,
+            dtype=torch.int32,
+            device=device,
+        )
+        path_nodes = walk.path[:, 1:]
+        accepted = torch.gather(node_tokens, 1, path_nodes.clamp(min=0))
+        depth = path_nodes.shape[1]
+        out[:, :depth] = torch.where(path_nodes >= 0, accepted, PLACEHOLDER_TOKEN_ID)
+        out.scatter_(1, walk.num_accepted[:, None], walk.bonus[:, None].to(out.dtype))
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+
+    def _target_choices(
+        self,
+        logits: torch.Tensor,
+        cu_num_nodes: torch.Tensor,
+        sampling_metadata: SamplingMetadata,
+    ) -> torch.Tensor:
+        """The target's token at every logit row: argmax or a sample."""
+        if sampling_metadata.all_greedy:
+            return logits.argmax(dim=-1)
+        processed = apply_sampling_constraints(
+            logits.float(), cu_num_nodes, sampling_metadata
+        )
+        probs = processed.softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
+        race = torch.empty_like(probs).exponential_()
+        if sampling_metadata.generators:
+            bounds = [0, *cu_num_nodes.tolist()]
+            for row, generator in sampling_metadata.generators.items():
+                rows = slice(bounds[row], bounds[row + 1])
+                race[rows].exponential_(generator=generator)
+        sampled = (probs / race).argmax(dim=-1)
+        if sampling_metadata.all_random:
+            return sampled
+        greedy_rows = torch.repeat_interleave(
+            sampling_metadata.temperature < 1e-5,
+            torch.diff(cu_num_nodes, prepend=cu_num_nodes.new_zeros(1)),
+        )
+        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+
+
+def _check_supported(sampling_metadata: SamplingMetadata) -> None:
+    """Refuse sampling features whose tree form is not implemented.
+
+    Penalties, bad words and logits processors condition on the tokens
+    before each position, which differ per tree branch.
+    """
+    unsupported = []
+    if not sampling_metadata.no_penalties:
+        unsupported.append("presence/frequency/repetition penalties")
+    if sampling_metadata.bad_words_token_ids:
+        unsupported.append("bad_words")
+    if sampling_metadata.allowed_token_ids_mask is not None:
+        unsupported.append("allowed_token_ids")
+    if sampling_metadata.max_num_logprobs is not None:
+        unsupported.append("logprobs")
+    if unsupported:
+        raise NotImplementedError(
+            "method 'ddtree' does not support " + ", ".join(unsupported) + " yet"
+        )

@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree proposer: vLLM's DFlash drafter, one forward, a best-first tree.
+
+Subclasses :class:`~vllm.v1.spec_decode.dflash.DFlashProposer` so the DFlash
+model, its context-KV precompute and every ``isinstance(drafter,
+DFlashProposer)`` check in the runner keep working. Two things change:
+
+* After a tree-verify step the target's hidden states of the accepted path
+  are not at the head of each request's token range. The runner hands over
+  a permutation (:meth:`set_accepted_order`) that moves them there; the
+  rejected nodes become a chain-like rejected tail, so vLLM's padded DFlash
+  input preparation (``num_rejected_tokens``) applies unchanged. Positions
+  given to the drafter are the *linear* ones, which along the accepted path
+  equal the depth positions used by the target.
+* Instead of one argmax token per position, the drafter's log-probabilities
+  at its ``max_depth`` positions feed :func:`build_trees`, and ``propose``
+  returns the ``[num_reqs, budget]`` node tokens. Parents and depths stay on
+  the proposer (:attr:`last_trees`) for the runner to pick up.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.v1.spec_decode.tree import DraftTrees, build_trees
+
+
+class DDTreeProposer(DFlashProposer):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        cfg = get_ddtree_config(vllm_config)
+        assert cfg is not None, "DDTreeProposer needs a DDTree config"
+        self.ddtree = cfg
+        if self.use_heterogeneous_vocab or self.use_local_argmax_reduction:
+            raise ValueError(
+                "method 'ddtree' needs the drafter's full-vocabulary logits; "
+                "turn off use_heterogeneous_vocab / use_local_argmax_reduction"
+            )
+        self._ensure_query_capacity(cfg.max_depth)
+        self.last_trees: DraftTrees | None = None
+        self._accepted_order: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._topk: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _ensure_query_capacity(self, max_depth: int) -> None:
+        """DFlash sizes its query buffers for ``num_speculative_tokens``
+        queries per request; DDTree runs ``max_depth`` of them, which is more
+        when the budget is small."""
+        needed = self.max_batch_size * (1 + max_depth)
+        if needed <= self.max_query_tokens:
+            return
+        self.max_query_tokens = needed
+        self.max_positions = self.max_num_tokens + needed
+        kwargs = dict(dtype=torch.int64, device=self.device)
+        self._slot_mapping_buffer = torch.zeros(needed, **kwargs)
+        self.positions = torch.zeros(needed, **kwargs)
+        self.arange = torch.arange(
+            self.max_positions + 1, dtype=torch.int32, device=self.device
+        )
+
+    def set_accepted_order(
+        self,
+        token_order: torch.Tensor | None,
+        linear_positions: torch.Tensor | None = None,
+    ) -> None:
+        """Reorder the next ``propose``'s target tokens (accepted path first).
+
+        ``token_order[i]`` is the batch token whose id and hidden state go to
+        slot ``i``; ``linear_positions`` are the positions of the slots.
+        ``None`` means the last step verified no tree: keep vLLM's order.
+        """
+        if token_order is None:
+            self._accepted_order = None
+        else:
+            assert linear_positions is not None
+            self._accepted_order = (token_order, linear_positions)
+
+    def propose(
+        self,
+        num_speculative_tokens,
+        target_token_ids,
+        target_positions,
+        target_hidden_states,
+        next_token_ids,
+        token_indices_to_sample,
+        common_attn_metadata,
+        sampling_metadata,
+        mm_embed_inputs=None,
+        num_rejected_tokens_gpu=None,
+        slot_mappings=None,
+    ) -> torch.Tensor:
+        if self._accepted_order is not None:
+            order, linear_positions = self._accepted_order
+            self._accepted_order = None
+            num_tokens = target_token_ids.shape[0]
+            order = order[:num_tokens]
+            target_token_ids = target_token_ids[order]
+            target_hidden_states = target_hidden_states[order]
+            target_positions = linear_positions[:num_tokens]
+        self.last_trees = None
+        super().propose(
+            self.ddtree.max_depth,
+            target_token_ids,
+            target_positions,
+            target_hidden_states,
+            next_token_ids,
+            token_indices_to_sample,
+            common_attn_metadata,
+            sampling_metadata,
+            mm_embed_inputs,
+            num_rejected_tokens_gpu,
+            slot_mappings,
+        )
+        assert self._topk is not None
+        values, tokens = self._topk
+        self._topk = None
+        num_reqs = common_attn_metadata.batch_size()
+        k = values.shape[-1]
+        self.last_trees = build_trees(
+            values.view(num_reqs, self.ddtree.max_depth, k),
+            tokens.view(num_reqs, self.ddtree.max_depth, k),
+            self.ddtree.budget,
+            self.ddtree.force_spine,
+        )
+        return self.last_trees.tokens.to(torch.int32)
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        """Keep the top-``budget`` log-probabilities of every position.
+
+        The tree uses the drafter's distribution at temperature 1 whatever
+        the request's sampling temperature (verification is lossless, so the
+        drafter only has to rank well).
+        """
+        logits = self.model.compute_logits(hidden_states)
+        logprobs = logits.float().log_softmax(dim=-1)
+        k = min(self.ddtree.budget, logprobs.shape[-1])
+        values, tokens = logprobs.topk(k, dim=-1)
+        self._topk = (values, tokens)
+        return tokens[:, 0], None

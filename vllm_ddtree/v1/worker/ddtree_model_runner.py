@@ -1,0 +1,270 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree on vLLM's V1 model runner (GPU and CPU).
+
+One DDTree step, as it flows through the overridden runner methods:
+
+1. ``__init__``: the DFlash drafter is built as :class:`DDTreeProposer` and
+   the chain rejection sampler replaced by :class:`TreeRejectionSampler`.
+2. The scheduler schedules a request's tree nodes as its draft tokens (node
+   order is best-first, so a cut-down prefix is still a tree).
+3. ``_prepare_inputs``: vLLM computes linear positions and slot mappings;
+   then each node's position becomes ``root position + depth`` and the
+   tree's ancestor masks are prepared (:class:`VerifyPlan`).
+4. ``_build_attention_metadata``: the plan's tree is published to the tree
+   attention backend while vLLM builds the target's metadata.
+5. Forward; the tree sampler picks the target's token at every node and
+   walks the tree (``[accepted..., bonus, -1...]`` rows, vLLM's format).
+6. ``_update_states_after_model_execute``: the accepted path's KV is copied
+   into consecutive slots of every target attention layer, and the drafter
+   is told to read the accepted path's hidden states first.
+7. DFlash drafts ``max_depth`` positions and builds the next trees;
+   ``take_draft_token_ids`` keeps each request's tree structure for step 3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.worker import gpu_model_runner
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.v1.attention.backends.tree_attn import (
+    TreeAttentionInfo,
+    publish_tree,
+)
+from vllm_ddtree.v1.sample.tree_rejection_sampler import (
+    TreeRejectionSampler,
+    TreeVerifyInput,
+)
+from vllm_ddtree.v1.spec_decode.ddtree_proposer import DDTreeProposer
+from vllm_ddtree.v1.spec_decode.tree import ancestor_mask, path_first_permutation
+
+
+@contextmanager
+def patched_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """Temporarily rebind ``owner.name`` (a class vLLM looks up by name)."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+@dataclass
+class StoredTree:
+    """The tree last proposed for a request (root excluded)."""
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    depths: np.ndarray
+
+
+@dataclass
+class VerifyPlan:
+    """Per-step tree layout of a verify batch (all rows, root included).
+
+    ``root_index[r]`` is the batch token index of row ``r``'s root;
+    ``node_tokens`` / ``node_rows`` (host) list every non-root node of every
+    row, flattened, as batch token index and row.
+    """
+
+    num_nodes: np.ndarray
+    root_index: np.ndarray
+    node_tokens: np.ndarray
+    node_rows: np.ndarray
+    node_ids: np.ndarray
+    width: int
+    linear_positions: torch.Tensor
+    tree: TreeAttentionInfo | None
+
+
+class DDTreeModelRunnerMixin:
+    """Overrides shared by the GPU and CPU V1 runners (see module doc)."""
+
+    def __init__(self, vllm_config, device) -> None:
+        with patched_attribute(gpu_model_runner, "DFlashProposer", DDTreeProposer):
+            super().__init__(vllm_config, device)
+        cfg = get_ddtree_config(vllm_config)
+        assert cfg is not None, "the DDTree runner needs method 'ddtree'"
+        self.ddtree = cfg
+        self.rejection_sampler = TreeRejectionSampler(
+            self.sampler, self.speculative_config, self.device
+        )
+        self._trees: dict[str, StoredTree] = {}
+        self._plan: VerifyPlan | None = None
+
+    # -- step 3: positions and tree layout -------------------------------
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        logits_indices, spec_metadata = super()._prepare_inputs(
+            scheduler_output, num_scheduled_tokens
+        )
+        for req_id in scheduler_output.finished_req_ids:
+            self._trees.pop(req_id, None)
+        self._plan = None
+        if spec_metadata is not None:
+            self._plan = self._plan_verify(
+                scheduler_output, num_scheduled_tokens, spec_metadata
+            )
+        return logits_indices, spec_metadata
+
+    def _plan_verify(self, scheduler_output, num_scheduled_tokens, spec_metadata):
+        num_reqs = self.input_batch.num_reqs
+        num_nodes = np.asarray(spec_metadata.num_draft_tokens, dtype=np.int64) + 1
+        width = int(num_nodes.max())
+        parents = np.full((num_reqs, width), -1, dtype=np.int64)
+        depths = np.zeros((num_reqs, width), dtype=np.int64)
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            row = self.input_batch.req_id_to_index[req_id]
+            n = len(drafts)
+            stored = self._trees.get(req_id)
+            if stored is not None and np.array_equal(stored.tokens[:n], drafts):
+                parents[row, 1 : n + 1] = stored.parents[:n]
+                depths[row, 1 : n + 1] = stored.depths[:n]
+            else:
+                # Drafts we did not build (e.g. zero-filled when the drafter
+                # was skipped) are verified as the chain they are.
+                parents[row, 1 : n + 1] = np.arange(n)
+                depths[row, 1 : n + 1] = np.arange(1, n + 1)
+
+        query_end = self.query_start_loc.np[1 : num_reqs + 1].astype(np.int64)
+        root_index = query_end - num_nodes
+        node_rows, node_ids = np.nonzero(
+            np.arange(width)[None, :] < num_nodes[:, None]
+        )
+        keep = node_ids > 0
+        node_rows, node_ids = node_rows[keep], node_ids[keep]
+        node_tokens = root_index[node_rows] + node_ids
+
+        total = int(query_end[-1])
+        linear_positions = self.positions[:total].clone()
+        device = self.positions.device
+        token_t = torch.from_numpy(node_tokens).to(device)
+        depth_delta = depths[node_rows, node_ids] - node_ids
+        self.positions[token_t] += torch.from_numpy(depth_delta).to(device)
+
+        max_depth = int(depths.max())
+        parents_t = torch.from_numpy(parents).to(device)
+        self.rejection_sampler.step = TreeVerifyInput(parents_t, max_depth)
+        return VerifyPlan(
+            num_nodes=num_nodes,
+            root_index=root_index,
+            node_tokens=node_tokens,
+            node_rows=node_rows,
+            node_ids=node_ids,
+            width=width,
+            linear_positions=linear_positions,
+            tree=self._tree_attention_info(
+                num_nodes, root_index, num_scheduled_tokens, parents_t, max_depth
+            ),
+        )
+
+    def _tree_attention_info(
+        self, num_nodes, root_index, num_scheduled_tokens, parents, max_depth
+    ) -> TreeAttentionInfo | None:
+        rows = np.nonzero(num_nodes > 1)[0]
+        if len(rows) == 0:
+            return None
+        device = parents.device
+        num_reqs = len(num_nodes)
+        ctx_len = (
+            self.input_batch.num_computed_tokens_cpu[:num_reqs]
+            + num_scheduled_tokens[:num_reqs]
+            - num_nodes
+        )
+        rows_t = torch.from_numpy(rows).to(device)
+        nodes_t = torch.from_numpy(num_nodes[rows]).to(device)
+        mask = ancestor_mask(parents[rows_t], nodes_t, max_depth)
+        as_i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
+        return TreeAttentionInfo(
+            req_rows=as_i32(rows).to(device),
+            q_start=as_i32(root_index[rows]).to(device),
+            num_nodes=nodes_t.to(torch.int32),
+            ctx_len=as_i32(ctx_len[rows]).to(device),
+            mask=mask,
+            req_rows_cpu=rows.tolist(),
+            q_start_cpu=root_index[rows].tolist(),
+            num_nodes_cpu=num_nodes[rows].tolist(),
+            ctx_len_cpu=ctx_len[rows].tolist(),
+        )
+
+    # -- step 4: tree attention metadata ---------------------------------
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        tree = self._plan.tree if self._plan is not None else None
+        with publish_tree(tree):
+            return super()._build_attention_metadata(*args, **kwargs)
+
+    # -- step 6: commit the accepted path ---------------------------------
+
+    def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
+        super()._update_states_after_model_execute(output_token_ids, scheduler_output)
+        plan, self._plan = self._plan, None
+        walk = self.rejection_sampler.last_walk
+        self.rejection_sampler.last_walk = None
+        if plan is None or walk is None:
+            self.drafter.set_accepted_order(None)
+            return
+        device = plan.linear_positions.device
+        perm = path_first_permutation(walk.path, plan.width)
+        rows_t = torch.from_numpy(plan.node_rows).to(device)
+        ids_t = torch.from_numpy(plan.node_ids).to(device)
+        dst_tokens = torch.from_numpy(plan.node_tokens).to(device)
+        src_tokens = (
+            torch.from_numpy(plan.root_index).to(device)[rows_t] + perm[rows_t, ids_t]
+        )
+        self._compact_kv(src_tokens, dst_tokens)
+        order = torch.arange(plan.linear_positions.shape[0], device=device)
+        order[dst_tokens] = src_tokens
+        self.drafter.set_accepted_order(order, plan.linear_positions)
+
+    def _compact_kv(self, src_tokens: torch.Tensor, dst_tokens: torch.Tensor) -> None:
+        """Move the KV of node ``src_tokens[i]`` to the slot of token
+        ``dst_tokens[i]`` in every target attention layer."""
+        drafter_layers = getattr(self.drafter, "_draft_attn_layer_names", set())
+        layers = self.compilation_config.static_forward_context
+        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            if not isinstance(group.kv_cache_spec, AttentionSpec):
+                continue
+            slot_mapping = self.input_batch.block_table[gid].slot_mapping.gpu
+            src, dst = slot_mapping[src_tokens], slot_mapping[dst_tokens]
+            for name in group.layer_names:
+                if name in drafter_layers:
+                    continue
+                layer = layers[name]
+                layer.impl.copy_kv_slots(layer.kv_cache, src, dst)
+
+    # -- step 7: keep the proposed trees -----------------------------------
+
+    def take_draft_token_ids(self):
+        draft = super().take_draft_token_ids()
+        trees, self.drafter.last_trees = self.drafter.last_trees, None
+        if draft is None:
+            return None
+        if trees is None:
+            for req_id in draft.req_ids:
+                self._trees.pop(req_id, None)
+            return draft
+        tokens = trees.tokens.cpu().numpy()
+        parents = trees.parents.cpu().numpy()
+        depths = trees.depths.cpu().numpy()
+        for row, req_id in enumerate(draft.req_ids):
+            self._trees[req_id] = StoredTree(tokens[row], parents[row], depths[row])
+        return draft
+
+
+class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
+    pass
+
+
+class DDTreeCPUModelRunner(DDTreeModelRunnerMixin, CPUModelRunner):
+    pass
