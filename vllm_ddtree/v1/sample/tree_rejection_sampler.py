@@ -61,12 +61,15 @@ class TreeRejectionSampler(RejectionSampler):
         sampling_metadata: SamplingMetadata,
     ) -> SamplerOutput:
         step, self.step = self.step, None
-        assert step is not None, "the DDTree runner publishes the trees first"
         _check_supported(sampling_metadata)
         device = logits.device
         num_draft = np.asarray(metadata.num_draft_tokens, dtype=np.int64)
         num_nodes = num_draft + 1
         width = int(num_nodes.max())
+        if step is None:
+            # No tree published (vLLM's dummy sampler run): verify chains.
+            chain = torch.arange(-1, width - 1, device=device)
+            step = TreeVerifyInput(chain.expand(len(num_draft), width), width - 1)
         # Logit row of node j of request r: node rows are consecutive.
         starts = np.cumsum(num_nodes) - num_nodes
         node_ids = np.arange(width)
