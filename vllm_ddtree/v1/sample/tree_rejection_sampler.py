@@ -25,11 +25,8 @@ import numpy as np
 import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.sample.rejection_sampler import (
-    PLACEHOLDER_TOKEN_ID,
-    RejectionSampler,
-    apply_sampling_constraints,
-)
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 from vllm_ddtree.v1.spec_decode.tree import WalkResult, walk_trees
@@ -45,6 +42,10 @@ class TreeVerifyInput:
 
     parents: torch.Tensor
     max_depth: int
+
+
+# vLLM marks greedy requests with a non-positive temperature.
+_GREEDY_EPS = 1e-5
 
 
 class TreeRejectionSampler(RejectionSampler):
@@ -85,11 +86,8 @@ class TreeRejectionSampler(RejectionSampler):
         valid_t = torch.from_numpy(valid).to(device, non_blocking=True)
         num_nodes_t = torch.from_numpy(num_nodes).to(device, non_blocking=True)
 
-        choices = self._target_choices(
-            logits,
-            torch.from_numpy(np.cumsum(num_nodes)).to(device, non_blocking=True),
-            sampling_metadata,
-        )
+        node_req = np.repeat(np.arange(len(num_nodes)), num_nodes)
+        choices = self._target_choices(logits, node_req, sampling_metadata)
         target_tokens = choices[logit_rows_t]
         node_tokens = torch.where(
             valid_t, metadata.draft_token_ids[draft_rows_t].long(), -1
@@ -119,31 +117,36 @@ class TreeRejectionSampler(RejectionSampler):
     def _target_choices(
         self,
         logits: torch.Tensor,
-        cu_num_nodes: torch.Tensor,
+        node_req_np: np.ndarray,
         sampling_metadata: SamplingMetadata,
     ) -> torch.Tensor:
-        """The target's token at every logit row: argmax or a sample."""
+        """The target's token at every logit row: argmax or a sample.
+
+        ``node_req_np[i]`` is the request (batch row) of logit row ``i``.
+        """
+        greedy_tokens = logits.argmax(dim=-1)
         if sampling_metadata.all_greedy:
-            return logits.argmax(dim=-1)
-        processed = apply_sampling_constraints(
-            logits.float(), cu_num_nodes, sampling_metadata
-        )
-        probs = processed.softmax(dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
+            return greedy_tokens
+        node_req = torch.from_numpy(node_req_np).to(logits.device)
+        temperature = sampling_metadata.temperature[node_req]
+        is_greedy = temperature < _GREEDY_EPS
+        scaled = logits.float() / torch.where(is_greedy, 1.0, temperature)[:, None]
+        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+        probs = apply_top_k_top_p(
+            scaled,
+            None if top_k is None else top_k[node_req],
+            None if top_p is None else top_p[node_req],
+        ).softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p;
+        # seeded requests draw their E from their own generator.
         race = torch.empty_like(probs).exponential_()
         if sampling_metadata.generators:
-            bounds = [0, *cu_num_nodes.tolist()]
-            for row, generator in sampling_metadata.generators.items():
-                rows = slice(bounds[row], bounds[row + 1])
-                race[rows].exponential_(generator=generator)
+            for req, generator in sampling_metadata.generators.items():
+                rows = np.nonzero(node_req_np == req)[0]
+                if len(rows):
+                    race[rows[0] : rows[-1] + 1].exponential_(generator=generator)
         sampled = (probs / race).argmax(dim=-1)
-        if sampling_metadata.all_random:
-            return sampled
-        greedy_rows = torch.repeat_interleave(
-            sampling_metadata.temperature < 1e-5,
-            torch.diff(cu_num_nodes, prepend=cu_num_nodes.new_zeros(1)),
-        )
-        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+        return torch.where(is_greedy, greedy_tokens, sampled)
 
 
 def _check_supported(sampling_metadata: SamplingMetadata) -> None:

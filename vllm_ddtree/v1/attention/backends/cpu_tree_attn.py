@@ -4,9 +4,10 @@
 The plugin registers :class:`CPUTreeAttentionBackend` under the
 ``CPU_ATTN`` name (the CPU platform ignores the selected backend). Without a
 published tree it is the stock backend. With one, the stock kernel runs over
-the whole batch as usual and the tree rows are then recomputed with
-``scaled_dot_product_attention``: each tree node attends to the request's
-whole context (gathered from the paged cache) plus its ancestors and itself.
+the whole batch as usual and the tree rows are then recomputed in torch:
+each tree node attends to the request's
+whole context (gathered from the paged cache) plus its ancestors and itself,
+computed in float32.
 
 The CPU kernels store K/V in ISA-specific packed orders, so the cache layout
 is learnt once per shape by writing probe values through the stock
@@ -20,7 +21,6 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
@@ -34,7 +34,7 @@ from vllm_ddtree.v1.attention.backends.tree_attn import (
     PagedKVLayout,
     TreeAttentionInfo,
     current_tree,
-    slot_positions,
+    torch_tree_attention,
 )
 
 # Probe values must be exact in bf16/fp16: integers below 256 are.
@@ -155,29 +155,18 @@ class CPUTreeAttentionImpl(CPUAttentionBackendImpl):
                 "CPU tree attention supports plain causal attention only (no "
                 "sliding window, ALiBi, soft-cap, sinks or fp8 KV cache)."
             )
-        layout = self.kv_layout(kv_cache)
         out = output.view(output.shape[0], self.num_heads, self.head_size)
-        for t, row in enumerate(tree.req_rows_cpu):
-            start, n = tree.q_start_cpu[t], tree.num_nodes_cpu[t]
-            ctx = tree.ctx_len_cpu[t]
-            slots = slot_positions(
-                metadata.block_table[row], torch.arange(ctx), layout.block_size
-            )
-            ctx_k, ctx_v = layout.gather(kv_cache, slots)
-            k = torch.cat([ctx_k, key[start : start + n]]).float()
-            v = torch.cat([ctx_v, value[start : start + n]]).float()
-            visible = torch.cat(
-                [torch.ones(n, ctx, dtype=torch.bool), tree.mask[t, :n, :n]], dim=1
-            )
-            result = F.scaled_dot_product_attention(
-                query[start : start + n].float().transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=visible,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out[start : start + n] = result.transpose(0, 1).to(out.dtype)
+        torch_tree_attention(
+            query,
+            key,
+            value,
+            kv_cache,
+            self.kv_layout(kv_cache),
+            metadata.block_table,
+            tree,
+            self.scale,
+            out,
+        )
 
     def copy_kv_slots(
         self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor

@@ -135,9 +135,62 @@ class PagedKVLayout:
             storage[self._where(index, dst)] = storage[self._where(index, src)]
 
 
-def slot_positions(
-    block_table_row: torch.Tensor, positions: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """Cache slots of a request's token positions."""
-    blocks = block_table_row[torch.div(positions, block_size, rounding_mode="floor")]
-    return blocks.to(torch.long) * block_size + positions % block_size
+def torch_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: PagedKVLayout,
+    block_table: torch.Tensor,
+    tree: TreeAttentionInfo,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Tree attention for the tree rows of a batch, in float32 torch.
+
+    ``query`` is ``[T, Hq, D]`` and ``key`` / ``value`` ``[T, Hkv, D]`` (this
+    step's tokens); the context comes from the paged ``kv_cache``. Writes
+    ``out[q_start + i]`` (``[T, Hq, D]``) for every tree node ``i``; every
+    other row of ``out`` is left alone. All tree requests are processed in one
+    padded batch: ``R`` requests x ``N`` nodes x ``C`` context positions.
+    """
+    device = query.device
+    num_reqs = len(tree.req_rows_cpu)
+    n = max(tree.num_nodes_cpu)
+    c = max(tree.ctx_len_cpu)
+    num_heads, head_size = query.shape[1:]
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+
+    node = torch.arange(n, device=device)
+    node_valid = node[None, :] < tree.num_nodes[:, None]
+    tokens = (tree.q_start[:, None] + node[None, :]).long()
+    tokens = torch.where(node_valid, tokens, tree.q_start[:, None].long())
+
+    pos = torch.arange(c, device=device)
+    ctx_valid = pos[None, :] < tree.ctx_len[:, None]
+    table = block_table[tree.req_rows.long()]
+    blocks = torch.gather(table, 1, (pos // layout.block_size).expand(num_reqs, c))
+    slots = blocks.long() * layout.block_size + pos % layout.block_size
+    slots = torch.where(ctx_valid, slots, 0)
+    ctx_k, ctx_v = layout.gather(kv_cache, slots.flatten())
+
+    def keys_of(ctx: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        # [R, Hkv, C + N, D]
+        ctx = ctx.view(num_reqs, c, num_kv_heads, head_size)
+        return torch.cat([ctx, fresh[tokens]], dim=1).float().transpose(1, 2)
+
+    k, v = keys_of(ctx_k, key), keys_of(ctx_v, value)
+    # [R, Hkv, N * group, D]: the query heads sharing a KV head side by side.
+    q = query[tokens].float().view(num_reqs, n, num_kv_heads, group, head_size)
+    q = q.permute(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, n * group, -1)
+    visible = torch.cat(
+        [ctx_valid[:, None, :].expand(num_reqs, n, c), tree.mask[:, :n, :n]], dim=2
+    )
+    visible = visible.repeat_interleave(group, dim=1)[:, None]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    result = torch.matmul(scores.softmax(dim=-1), v)
+    result = result.view(num_reqs, num_kv_heads, n, group, head_size)
+    result = result.permute(0, 2, 1, 3, 4).reshape(num_reqs, n, num_heads, head_size)
+    out[tokens[node_valid]] = result[node_valid].to(out.dtype)

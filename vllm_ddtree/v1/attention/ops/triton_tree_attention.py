@@ -1,0 +1,609 @@
+"""Triton tree attention over vLLM's paged KV cache (DDTree verification step).
+
+One verification step scores, for each request ("tree row"), a small token
+tree: node 0 is the root (the last accepted token) and every other node hangs
+below an earlier node.  Each query node attends to
+
+* the whole committed context of its request (positions ``0 .. ctx_len-1``),
+  which is implicitly visible, and
+* the tree nodes that are its ancestors (or itself), given as a packed bit mask.
+
+Both the context and the tree nodes' own keys/values already live in the paged
+KV cache: the tree nodes occupy positions ``ctx_len .. ctx_len + n - 1``.
+
+Kernel design (decode-shaped; the bytes are in the context, the queries few):
+
+* One program per ``(query tile, kv split, tree row x kv head)``.  A query tile
+  holds ``BLOCK_M`` rows, each a ``(node, q head)`` pair of one tree row that
+  shares one KV head (node-major: row ``m`` is node ``m // G``, q head
+  ``kv_head * G + m % G``), so every KV tile that is loaded is reused by all
+  queries of the tree and all query heads of the GQA group.  The query tile
+  is the fastest grid axis, so tiles of the same tree row run together and
+  their repeated KV reads hit L2.
+* Context KV tiles of ``BLOCK_N`` positions are streamed through an online
+  softmax (base 2) without any masking; the tail of the context and the tree
+  nodes are handled by a masked loop that reads the ancestor bits and stops
+  at the query tile's last node (nodes are in topological order).
+* Split-KV: when ``rows * kv_heads * query_tiles`` programs cannot fill the
+  GPU (small batches) and the context is long, the context of every row is
+  cut into ``num_splits`` chunks (multiples of ``BLOCK_N``, at least
+  ``_MIN_CHUNK`` positions, computed in-kernel from each row's own context
+  length).  Each split writes a float32 partial output with its log-sum-exp,
+  and a reduce kernel (one program per row, node and q head, all splits in
+  one tile) merges them.  Splits are sized to fill exactly one wave of
+  resident programs (see :func:`choose_num_splits`).  No host synchronisation is needed:
+  the number of splits depends only on host-side integers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["tree_attention", "choose_num_splits"]
+
+_LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Smallest context chunk (positions) handed to one split.
+_MIN_CHUNK = 256
+_MAX_SPLITS = 64
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+@triton.jit
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    start,
+    ctx_len,
+    total_len,
+    node,
+    row_valid,
+    mask_row0,
+    offs_n,
+    offs_d,
+    bt_row_ptr,
+    stride_btc,
+    k_base,
+    v_base,
+    stride_kb,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vd,
+    tm_ptr,
+    stride_tmr,
+    stride_tmw,
+    qk_scale,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    """Fold one KV tile (positions ``start + offs_n``) into the softmax state."""
+    pos = start + offs_n
+    d_ok = offs_d < HEAD_DIM
+    if MASKED:
+        in_range = pos < total_len
+        blk = tl.load(bt_row_ptr + (pos // PAGE) * stride_btc, mask=in_range, other=0)
+        kv_mask = in_range[:, None] & d_ok[None, :]
+    else:
+        blk = tl.load(bt_row_ptr + (pos // PAGE) * stride_btc)
+        kv_mask = (pos >= 0)[:, None] & d_ok[None, :]
+    blk = blk.to(tl.int64)
+    slot = (pos % PAGE).to(tl.int64)
+    k_ptrs = (
+        k_base
+        + (blk * stride_kb + slot * stride_ks)[:, None]
+        + offs_d[None, :] * stride_kd
+    )
+    v_ptrs = (
+        v_base
+        + (blk * stride_vb + slot * stride_vs)[:, None]
+        + offs_d[None, :] * stride_vd
+    )
+    if MASKED or BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+
+    if DOT_UPCAST:
+        # Triton's CPU interpreter multiplies bf16 operands wrongly: upcast.
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    s = s * qk_scale
+    if MASKED:
+        j = pos - ctx_len  # tree-node index of the key (negative: context)
+        is_tree = (j >= 0) & in_range
+        jj = tl.maximum(j, 0)
+        w_ptrs = (
+            tm_ptr
+            + (mask_row0 + node).to(tl.int64)[:, None] * stride_tmr
+            + (jj // 32)[None, :] * stride_tmw
+        )
+        words = tl.load(w_ptrs, mask=row_valid[:, None] & is_tree[None, :], other=0)
+        bit = (words >> (jj % 32)[None, :]) & 1
+        visible = ((pos < ctx_len) & in_range)[None, :] | (bit != 0)
+        s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    p = p.to(v.dtype)
+    if DOT_UPCAST:
+        acc = tl.dot(p.to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p, v, acc, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _tree_attn_fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    O_PART,
+    LSE_PART,
+    BLOCK_TABLE,
+    Q_START,
+    NUM_NODES,
+    CTX_LEN,
+    MASK_ROW_START,
+    TREE_MASK,
+    qk_scale,
+    num_kv_heads,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    stride_btr,
+    stride_btc,
+    stride_tmr,
+    stride_tmw,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_lps,
+    stride_lpt,
+    PAGE: tl.constexpr,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_rh = tl.program_id(2)
+    r = pid_rh // num_kv_heads
+    kvh = pid_rh % num_kv_heads
+
+    n_nodes = tl.load(NUM_NODES + r)
+    if pid_m * BLOCK_M >= n_nodes * G:
+        return
+    q_start = tl.load(Q_START + r)
+    ctx_len = tl.load(CTX_LEN + r)
+    mask_row0 = tl.load(MASK_ROW_START + r)
+    total_len = ctx_len + n_nodes
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    node = offs_m // G
+    head = kvh * G + offs_m % G
+    row_valid = offs_m < n_nodes * G
+    d_ok = offs_d < HEAD_DIM
+    io_mask = row_valid[:, None] & d_ok[None, :]
+
+    tok = (q_start + node).to(tl.int64)
+    q_ptrs = (
+        Q
+        + (tok * stride_qt + head.to(tl.int64) * stride_qh)[:, None]
+        + offs_d[None, :] * stride_qd
+    )
+    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+
+    bt_row_ptr = BLOCK_TABLE + r.to(tl.int64) * stride_btr
+    k_base = K + kvh.to(tl.int64) * stride_kh
+    v_base = V + kvh.to(tl.int64) * stride_vh
+
+    # A finite "minus infinity" for the running max, so that fully masked
+    # tiles never compute ``-inf - -inf``.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Context positions in whole tiles need no mask.  Split ``split`` owns
+    # the whole tiles of [split * chunk, (split + 1) * chunk); the split that
+    # owns the first partial tile also does the masked tail (context
+    # remainder + tree nodes).
+    ctx_full = (ctx_len // BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(chunk, MIN_CHUNK)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, ctx_full)
+    tail_split = tl.minimum(ctx_full // chunk, num_splits - 1)
+
+    for start in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, start, ctx_len, total_len, node, row_valid,
+            mask_row0, offs_n, offs_d, bt_row_ptr, stride_btc, k_base, v_base,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            TREE_MASK, stride_tmr, stride_tmw, qk_scale,
+            PAGE, HEAD_DIM, BLOCK_D, False, DOT_PREC, DOT_UPCAST,
+        )  # fmt: skip
+    if split == tail_split:
+        # Node i only sees tree nodes j <= i (ancestors precede descendants),
+        # so keys past this tile's last node are skipped.
+        last_node = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, n_nodes - 1)
+        for start in range(ctx_full, ctx_len + last_node + 1, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, start, ctx_len, total_len, node, row_valid,
+                mask_row0, offs_n, offs_d, bt_row_ptr, stride_btc, k_base,
+                v_base, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+                stride_vd, TREE_MASK, stride_tmr, stride_tmw, qk_scale,
+                PAGE, HEAD_DIM, BLOCK_D, True, DOT_PREC, DOT_UPCAST,
+            )  # fmt: skip
+
+    has_mass = l_i > 0.0
+    l_safe = tl.where(has_mass, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse2 = tl.where(has_mass, m_i + tl.math.log2(l_safe), float("-inf"))
+    if SPLIT:
+        t_idx = (mask_row0 + node).to(tl.int64)
+        p_ptrs = (
+            O_PART
+            + split.to(tl.int64) * stride_ps
+            + (t_idx * stride_pt + head.to(tl.int64) * stride_ph)[:, None]
+            + offs_d[None, :]
+        )
+        tl.store(p_ptrs, out, mask=io_mask)
+        lp_ptrs = LSE_PART + split.to(tl.int64) * stride_lps + t_idx * stride_lpt + head
+        tl.store(lp_ptrs, lse2, mask=row_valid)
+    else:
+        o_ptrs = (
+            Out
+            + (tok * stride_ot + head.to(tl.int64) * stride_oh)[:, None]
+            + offs_d[None, :] * stride_od
+        )
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=io_mask)
+        if WRITE_LSE:
+            l_ptrs = LSE + tok * stride_lt + head.to(tl.int64) * stride_lh
+            tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=row_valid)  # ln(2)
+
+
+@triton.jit
+def _tree_attn_reduce_kernel(
+    Out,
+    LSE,
+    O_PART,
+    LSE_PART,
+    Q_START,
+    NUM_NODES,
+    MASK_ROW_START,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_lt,
+    stride_lh,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_lps,
+    stride_lpt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    """Merge the split partials of one (row, node, q head): all splits at once."""
+    r = tl.program_id(0)
+    i = tl.program_id(1)
+    h = tl.program_id(2).to(tl.int64)
+    n_nodes = tl.load(NUM_NODES + r)
+    if i >= n_nodes:
+        return
+    q_start = tl.load(Q_START + r)
+    t_idx = (tl.load(MASK_ROW_START + r) + i).to(tl.int64)
+
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    lse = tl.load(
+        LSE_PART + offs_s * stride_lps + t_idx * stride_lpt + h,
+        mask=s_ok,
+        other=float("-inf"),
+    )
+    m = tl.maximum(tl.max(lse, 0), -1.0e30)
+    w = tl.math.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
+    wsum = tl.sum(w, 0)
+    part = tl.load(
+        O_PART
+        + offs_s[:, None] * stride_ps
+        + (t_idx * stride_pt + h * stride_ph)
+        + offs_d[None, :],
+        mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    has_mass = wsum > 0.0
+    w_safe = tl.where(has_mass, wsum, 1.0)
+    out = tl.sum(part * w[:, None], 0) / w_safe
+    tok = (q_start + i).to(tl.int64)
+    tl.store(
+        Out + tok * stride_ot + h * stride_oh + offs_d * stride_od,
+        out.to(Out.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+    if WRITE_LSE:
+        ln_lse = (m + tl.math.log2(w_safe)) * 0.6931471805599453
+        tl.store(
+            LSE + tok * stride_lt + h * stride_lh,
+            tl.where(has_mass, ln_lse, float("-inf")),
+        )
+
+
+def _pick_tiles(rows_per_tree: int, head_dim_p2: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows`` = nodes * G.
+
+    Chosen from H200 sweeps (bf16, D=128, page 16): small query tiles are
+    memory-bound and like 4 warps / 2 stages; big trees are compute-bound
+    and like wide tiles (256 x 64, 8 warps).
+    """
+    block_m = 16
+    while block_m < rows_per_tree and block_m < 256:
+        block_m *= 2
+    if head_dim_p2 >= 256:
+        block_m = min(block_m, 64)
+        return block_m, 32, 4, 2
+    if block_m <= 64:
+        return block_m, 64, 4, 2
+    if block_m == 128:
+        return 128, 128, 8, 3
+    return 256, 64, 8, 3
+
+
+def _programs_per_sm(block_m: int) -> int:
+    """How many programs of a tile shape one SM runs at once (measured)."""
+    return 2 if block_m <= 64 else 1
+
+
+def choose_num_splits(
+    num_programs: int, max_ctx_len: int, num_sms: int, block_n: int, block_m: int = 64
+) -> int:
+    """Heuristic split-KV factor.
+
+    Split only when the grid without splitting leaves resident-program slots
+    empty; use as many splits as fit in ONE wave (a partial second wave
+    costs more than it gains), and never give a split fewer than
+    ``_MIN_CHUNK`` context positions.
+    """
+    slots = num_sms * _programs_per_sm(block_m)
+    if num_programs * 2 > slots or max_ctx_len <= 2 * _MIN_CHUNK:
+        return 1
+    want = slots // num_programs
+    by_len = triton.cdiv(max_ctx_len, max(_MIN_CHUNK, block_n))
+    return max(1, min(want, by_len, _MAX_SPLITS))
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_table: torch.Tensor,
+    q_start: torch.Tensor,
+    num_nodes: torch.Tensor,
+    ctx_len: torch.Tensor,
+    mask_row_start: torch.Tensor,
+    tree_mask: torch.Tensor,
+    softmax_scale: float,
+    max_nodes: int,
+    return_lse: bool = False,
+    *,
+    max_ctx_len: int | None = None,
+    num_splits: int | None = None,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Tree attention over a paged KV cache; writes ``out`` in place.
+
+    Shapes (``R`` tree rows, ``T`` query tokens, ``T_tree`` mask rows):
+
+    * ``query``: ``[T, Hq, D]`` (bf16 / fp16 / fp32, any strides).  Row ``r``'s
+      ``num_nodes[r]`` nodes are tokens ``q_start[r] .. q_start[r]+n-1``; other
+      tokens are neither read nor written.
+    * ``key_cache``, ``value_cache``: ``[num_blocks, block_size, Hkv, D]``,
+      arbitrary strides (e.g. vLLM's FlashAttention-layout views), same dtype
+      as ``query``.  Position ``p`` of row ``r`` is at block
+      ``block_table[r, p // block_size]``, slot ``p % block_size``.  The
+      context is ``0 .. ctx_len[r]-1``; tree node ``j`` is at
+      ``ctx_len[r] + j`` (already written).
+    * ``out``: ``[T, Hq, D]``, same dtype as ``query``.
+    * ``block_table``: ``[R, max_blocks]`` int32.
+    * ``q_start``, ``num_nodes``, ``ctx_len``, ``mask_row_start``: ``[R]`` int32;
+      ``1 <= num_nodes[r] <= max_nodes``.
+    * ``tree_mask``: ``[T_tree, ceil(max_nodes / 32)]`` int32; row
+      ``mask_row_start[r] + i`` holds node ``i``'s visible tree nodes (bit
+      ``j % 32`` of word ``j // 32``; ancestors and itself).  Nodes must be
+      in topological order (a node's ancestors have smaller indices): bits
+      ``j > i`` are ignored.  Mask rows of different nodes must be distinct
+      (they index the split-KV scratch).
+    * GQA: q head ``h`` reads kv head ``h // (Hq // Hkv)``.
+
+    Args:
+        softmax_scale: scale applied to ``q . k``.
+        max_nodes: host-side upper bound of ``num_nodes`` (sizes the grid).
+        return_lse: also return the natural-log log-sum-exp, ``[T, Hq]``
+            float32 (entries of tokens outside the tree rows are undefined).
+        max_ctx_len: optional host-side upper bound of ``ctx_len`` for the
+            split-KV heuristic (default: the block table's capacity).
+        num_splits: force the split-KV factor (``1`` disables splitting).
+        lse: optional preallocated ``[T, Hq]`` float32 LSE buffer (implies
+            ``return_lse``).
+
+    Returns:
+        The LSE tensor if requested, else ``None``.
+    """
+    T, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    page = key_cache.shape[1]
+    assert key_cache.shape[3] == head_dim and value_cache.shape == key_cache.shape
+    assert num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
+    assert out.shape == query.shape
+    assert key_cache.dtype == query.dtype and value_cache.dtype == query.dtype
+    group = num_q_heads // num_kv_heads
+    num_rows = num_nodes.shape[0]
+
+    if lse is not None:
+        return_lse = True
+    elif return_lse:
+        lse = torch.empty((T, num_q_heads), dtype=torch.float32, device=query.device)
+    if num_rows == 0 or max_nodes <= 0:
+        return lse if return_lse else None
+
+    block_d = triton.next_power_of_2(head_dim)
+    block_m, block_n, num_warps, num_stages = _pick_tiles(max_nodes * group, block_d)
+    q_tiles = triton.cdiv(max_nodes * group, block_m)
+    if num_splits is None:
+        if max_ctx_len is None:
+            max_ctx_len = block_table.shape[1] * page
+        num_splits = choose_num_splits(
+            num_rows * num_kv_heads * q_tiles,
+            max_ctx_len,
+            _num_sms(query.device),
+            block_n,
+            block_m,
+        )
+    num_splits = max(1, int(num_splits))
+    split = num_splits > 1
+    dot_prec = "ieee" if query.dtype == torch.float32 else "tf32"
+
+    if split:
+        t_tree = tree_mask.shape[0]
+        o_part = torch.empty(
+            (num_splits, t_tree, num_q_heads, block_d),
+            dtype=torch.float32,
+            device=query.device,
+        )
+        lse_part = torch.empty(
+            (num_splits, t_tree, num_q_heads), dtype=torch.float32, device=query.device
+        )
+    else:
+        o_part = lse_part = out  # unused placeholders
+    lse_arg = lse if lse is not None else out
+    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
+
+    grid = (q_tiles, num_splits, num_rows * num_kv_heads)
+    _tree_attn_fwd_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        lse_arg,
+        o_part,
+        lse_part,
+        block_table,
+        q_start,
+        num_nodes,
+        ctx_len,
+        mask_row_start,
+        tree_mask,
+        softmax_scale * _LOG2E,
+        num_kv_heads,
+        num_splits,
+        *query.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *out.stride(),
+        *lse_strides,
+        *block_table.stride(),
+        *tree_mask.stride(),
+        o_part.stride(0) if split else 0,
+        o_part.stride(1) if split else 0,
+        o_part.stride(2) if split else 0,
+        lse_part.stride(0) if split else 0,
+        lse_part.stride(1) if split else 0,
+        PAGE=page,
+        G=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        MIN_CHUNK=max(_MIN_CHUNK, block_n),
+        SPLIT=split,
+        WRITE_LSE=lse is not None,
+        DOT_PREC=dot_prec,
+        DOT_UPCAST=_INTERPRET and query.dtype == torch.bfloat16,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if split:
+        rgrid = (num_rows, max_nodes, num_q_heads)
+        _tree_attn_reduce_kernel[rgrid](
+            out,
+            lse_arg,
+            o_part,
+            lse_part,
+            q_start,
+            num_nodes,
+            mask_row_start,
+            num_splits,
+            *out.stride(),
+            *lse_strides,
+            o_part.stride(0),
+            o_part.stride(1),
+            o_part.stride(2),
+            lse_part.stride(0),
+            lse_part.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            WRITE_LSE=lse is not None,
+            num_warps=4,
+        )
+    return lse if return_lse else None
