@@ -1,0 +1,387 @@
+"""CPU tests of the Triton tree-attention kernel (under ``TRITON_INTERPRET=1``).
+
+``TRITON_INTERPRET`` must be set before Triton is imported, and other test
+modules may already have imported it, so the kernel runs in one subprocess
+(this file executed as a script with ``--worker``) that checks every case
+against the float64 reference and prints one JSON line per case.  The pytest
+side parses those lines.  Helpers here (random trees, packed masks, paged
+batches) are also used by ``tests/gpu/test_tree_attention_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from vllm_ddtree.v1.attention.ops.tree_attention_ref import (
+    tree_attention_reference,
+    unpack_tree_mask,
+)
+
+# ---------------------------------------------------------------------------
+# helpers (shared with the GPU tests)
+# ---------------------------------------------------------------------------
+
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+
+
+def random_parents(n: int, gen: torch.Generator, kind: str = "random") -> list[int]:
+    """Parents in topological order: ``parent[0] = -1``, ``parent[i] < i``."""
+    parents = [-1]
+    for i in range(1, n):
+        if kind == "chain":
+            parents.append(i - 1)
+        elif kind == "star":
+            parents.append(0)
+        else:
+            parents.append(int(torch.randint(0, i, (1,), generator=gen)))
+    return parents
+
+
+def pack_masks(parents: list[int], num_words: int) -> torch.Tensor:
+    """Ancestor-or-self bit masks, ``[n, num_words]`` int32 (bit j%32 of j//32)."""
+    n = len(parents)
+    anc: list[int] = []
+    for i, p in enumerate(parents):
+        anc.append((anc[p] if p >= 0 else 0) | (1 << i))
+    words = torch.zeros(n, num_words, dtype=torch.int64)
+    for i, a in enumerate(anc):
+        for w in range(num_words):
+            words[i, w] = (a >> (32 * w)) & 0xFFFFFFFF
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+@dataclass
+class TreeBatch:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_table: torch.Tensor
+    q_start: torch.Tensor
+    num_nodes: torch.Tensor
+    ctx_len: torch.Tensor
+    mask_row_start: torch.Tensor
+    tree_mask: torch.Tensor
+    max_nodes: int
+    scale: float
+    tree_tokens: list[int] = field(default_factory=list)
+
+    def args(self, out: torch.Tensor) -> tuple:
+        return (
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            out,
+            self.block_table,
+            self.q_start,
+            self.num_nodes,
+            self.ctx_len,
+            self.mask_row_start,
+            self.tree_mask,
+            self.scale,
+            self.max_nodes,
+        )
+
+    def poisoned_out(self) -> torch.Tensor:
+        return torch.full_like(self.query, float("nan"))
+
+
+def make_batch(
+    rows: list[tuple[int, int]],
+    *,
+    page: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    fa_layout: bool = True,
+    interleave: bool = True,
+    tree_kinds: tuple[str, ...] = ("random", "chain", "star"),
+    extra_max_nodes: int = 0,
+) -> TreeBatch:
+    """A paged batch of tree rows ``(num_nodes, ctx_len)`` with random data.
+
+    Rows' query tokens are interleaved with unrelated tokens, mask rows are
+    shuffled with spare rows between them, KV blocks are assigned from a
+    random permutation and every cache byte is random.  With ``fa_layout``
+    the caches are views of vLLM's FlashAttention layout (physical
+    ``(blocks, page, Hkv, 2*D)``); otherwise plain contiguous tensors.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    max_nodes = max(n for n, _ in rows) + extra_max_nodes
+    num_words = (max_nodes + 31) // 32
+
+    # Query token layout: random unrelated tokens before each row.
+    q_start, tree_tokens, t = [], [], 0
+    for n, _ in rows:
+        if interleave:
+            t += int(torch.randint(0, 3, (1,), generator=gen))
+        q_start.append(t)
+        tree_tokens.extend(range(t, t + n))
+        t += n
+    if interleave:
+        t += 2
+    num_tokens = t
+
+    # Mask rows: rows placed in a shuffled order, one spare row between.
+    order = torch.randperm(len(rows), generator=gen).tolist()
+    mask_row_start = [0] * len(rows)
+    m = 0
+    for r in order:
+        m += 1 if interleave else 0
+        mask_row_start[r] = m
+        m += rows[r][0]
+    tree_mask = torch.randint(
+        -(2**31), 2**31 - 1, (m + 1, num_words), generator=gen, dtype=torch.int64
+    ).to(torch.int32)  # garbage in the spare rows
+    for r, (n, _) in enumerate(rows):
+        kind = tree_kinds[r % len(tree_kinds)]
+        tree_mask[mask_row_start[r] : mask_row_start[r] + n] = pack_masks(
+            random_parents(n, gen, kind), num_words
+        )
+
+    # Paged KV: random block assignment.
+    need = [-(-(c + n) // page) for n, c in rows]
+    max_blocks = max(need) + 1
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.randint(
+        0, num_blocks, (len(rows), max_blocks), generator=gen, dtype=torch.int64
+    )
+    used = 0
+    for r, k in enumerate(need):
+        block_table[r, :k] = perm[used : used + k]
+        used += k
+
+    def dev(x: torch.Tensor, dt: torch.dtype | None = None) -> torch.Tensor:
+        # ``Tensor.to`` keeps the strides of dense non-contiguous views.
+        return x.to(device=device, dtype=dt if dt is not None else x.dtype)
+
+    if fa_layout:
+        kv = torch.randn(num_blocks, page, num_kv_heads, 2 * head_dim, generator=gen)
+        kv = dev(kv.transpose(1, 2), dtype)  # logical (blocks, Hkv, page, 2D)
+        key_cache, value_cache = kv.transpose(1, 2).split(head_dim, dim=-1)
+    else:
+        shape = (num_blocks, page, num_kv_heads, head_dim)
+        key_cache = dev(torch.randn(shape, generator=gen), dtype)
+        value_cache = dev(torch.randn(shape, generator=gen), dtype)
+    query = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen)
+
+    i32 = torch.int32
+    return TreeBatch(
+        query=dev(query, dtype),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_table=dev(block_table, i32),
+        q_start=dev(torch.tensor(q_start), i32),
+        num_nodes=dev(torch.tensor([n for n, _ in rows]), i32),
+        ctx_len=dev(torch.tensor([c for _, c in rows]), i32),
+        mask_row_start=dev(torch.tensor(mask_row_start), i32),
+        tree_mask=dev(tree_mask),
+        max_nodes=max_nodes,
+        scale=1.0 / math.sqrt(head_dim),
+        tree_tokens=tree_tokens,
+    )
+
+
+def check_against_reference(
+    batch: TreeBatch, attn_fn, *, return_lse: bool = False, **kwargs
+) -> dict:
+    """Run ``attn_fn`` and the reference; return error metrics."""
+    out = batch.poisoned_out()
+    lse = attn_fn(*batch.args(out), return_lse, **kwargs)
+    ref = batch.poisoned_out()
+    ref_lse = tree_attention_reference(*batch.args(ref), return_lse)
+
+    idx = torch.tensor(batch.tree_tokens, dtype=torch.long, device=out.device)
+    untouched = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
+    untouched[idx] = False
+    o, r = out[idx].double(), ref[idx].double()
+    res = {
+        "finite": bool(torch.isfinite(o).all()),
+        "untouched_nan": bool(torch.isnan(out[untouched]).all()),
+        "rel_err": float((o - r).norm() / r.norm().clamp_min(1e-30)),
+        "tol": TOL[batch.query.dtype],
+    }
+    if return_lse:
+        a, b = lse[idx].double(), ref_lse[idx].double()
+        res["lse_err"] = float((a - b).abs().max())
+    return res
+
+
+# ---------------------------------------------------------------------------
+# in-process tests (reference, helpers, heuristics; no Triton launch)
+# ---------------------------------------------------------------------------
+
+
+def test_pack_unpack_roundtrip():
+    gen = torch.Generator().manual_seed(1)
+    parents = random_parents(70, gen)
+    words = pack_masks(parents, 3)
+    dense = unpack_tree_mask(words, 70)
+    for i in range(len(parents)):
+        expect = torch.zeros(70, dtype=torch.bool)
+        j = i
+        while j >= 0:
+            expect[j] = True
+            j = parents[j]
+        assert torch.equal(dense[i], expect), i
+    assert (dense.diagonal()).all()
+
+
+def test_reference_chain_matches_causal_sdpa():
+    """A chain tree is causal attention over context + chain."""
+    rows = [(5, 0), (9, 37), (3, 16)]
+    b = make_batch(
+        rows,
+        page=16,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=torch.float64,
+        tree_kinds=("chain",),
+    )
+    out = b.poisoned_out()
+    lse = tree_attention_reference(*b.args(out), True)
+    for r, (n, c) in enumerate(rows):
+        pos = torch.arange(c + n)
+        blocks = b.block_table[r, pos // 16].long()
+        k = b.key_cache[blocks, pos % 16].repeat_interleave(2, 1).transpose(0, 1)
+        v = b.value_cache[blocks, pos % 16].repeat_interleave(2, 1).transpose(0, 1)
+        qs = int(b.q_start[r])
+        q = b.query[qs : qs + n].transpose(0, 1)
+        mask = torch.ones(n, c + n, dtype=torch.bool).tril(diagonal=c)
+        exp = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=b.scale
+        )
+        torch.testing.assert_close(out[qs : qs + n], exp.transpose(0, 1))
+        s = (q @ k.transpose(1, 2)) * b.scale
+        exp_lse = s.masked_fill(~mask, float("-inf")).logsumexp(-1)
+        torch.testing.assert_close(lse[qs : qs + n], exp_lse.transpose(0, 1).float())
+    untouched = sorted(set(range(out.shape[0])) - set(b.tree_tokens))
+    assert torch.isnan(out[untouched]).all()
+
+
+def test_split_heuristic():
+    from vllm_ddtree.v1.attention.ops.triton_tree_attention import choose_num_splits
+
+    assert choose_num_splits(1000, 32768, 132, 64) == 1  # grid already full
+    assert choose_num_splits(8, 300, 132, 64) == 1  # short context
+    assert choose_num_splits(8, 32768, 132, 64) == 33  # one wave, 2 per SM
+    assert choose_num_splits(32, 16384, 132, 64) == 8
+    assert choose_num_splits(16, 32768, 132, 64, block_m=128) == 8  # 1 per SM
+    assert choose_num_splits(8, 1024, 132, 64) == 4  # >= 256 positions a split
+
+
+# ---------------------------------------------------------------------------
+# Triton kernel under the interpreter (subprocess)
+# ---------------------------------------------------------------------------
+
+# name -> (rows, page, Hq, Hkv, D, dtype, fa_layout, kwargs)
+CASES: dict[str, tuple] = {
+    "fp32_d32_p16_g2": (
+        [(1, 0), (5, 17), (12, 40), (3, 0)],
+        16, 4, 2, 32, "float32", True, {"return_lse": True},
+    ),
+    "fp32_d48_p16_contig": (
+        [(6, 23), (2, 0)], 16, 2, 1, 48, "float32", False, {},
+    ),
+    "fp16_d64_p32_split3": (
+        [(7, 300), (33, 5), (1, 130), (4, 0)],
+        32, 4, 2, 64, "float16", True, {"num_splits": 3, "return_lse": True},
+    ),
+    "bf16_d64_p16_g4_tiles": (
+        [(40, 0), (17, 130), (2, 65)],
+        16, 8, 2, 64, "bfloat16", True, {},
+    ),
+    "bf16_d32_p32_big_tree_split2": (
+        [(257, 20), (1, 70)],
+        32, 2, 2, 32, "bfloat16", False, {"num_splits": 2, "return_lse": True},
+    ),
+    "fp16_d32_p16_maxnodes_slack": (
+        [(3, 64), (64, 63)], 16, 2, 2, 32, "float16", True, {"extra": 5},
+    ),
+}  # fmt: skip
+
+
+def _worker() -> None:
+    try:
+        import triton  # noqa: F401
+
+        from vllm_ddtree.v1.attention.ops import triton_tree_attention as tta
+    except Exception as exc:  # pragma: no cover - environment dependent
+        print("SKIP " + json.dumps(f"cannot import triton kernel: {exc!r}"))
+        return
+    # Small contexts: let the forced splits really cut the context.
+    tta._MIN_CHUNK = 64
+    for name, (rows, page, hq, hkv, d, dt, fa, kw) in CASES.items():
+        kw = dict(kw)
+        extra = kw.pop("extra", 0)
+        batch = make_batch(
+            rows,
+            page=page,
+            num_q_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=d,
+            dtype=getattr(torch, dt),
+            seed=zlib.crc32(name.encode()) % 1000,
+            fa_layout=fa,
+            extra_max_nodes=extra,
+        )
+        try:
+            res = check_against_reference(batch, tta.tree_attention, **kw)
+        except Exception as exc:
+            res = {"error": repr(exc)}
+        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interp_results() -> dict[str, dict]:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    results: dict[str, dict] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("SKIP "):
+            pytest.skip(json.loads(line[5:]))
+        if line.startswith("CASE "):
+            rec = json.loads(line[5:])
+            results[rec["name"]] = rec
+    if proc.returncode != 0 and not results:
+        pytest.fail(f"interpreter worker failed:\n{proc.stderr[-4000:]}")
+    results["__stderr__"] = {"text": proc.stderr[-4000:]}
+    return results
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_kernel_interpreted(interp_results, name):
+    rec = interp_results.get(name)
+    assert rec is not None, interp_results["__stderr__"]["text"]
+    assert "error" not in rec, rec["error"]
+    assert rec["finite"], rec
+    assert rec["untouched_nan"], rec
+    assert rec["rel_err"] < rec["tol"], rec
+    if "lse_err" in rec:
+        assert rec["lse_err"] < 1e-2, rec
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
