@@ -108,16 +108,27 @@ def parse_user_options(spec: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
-def finalize(speculative_config: Any, options: dict[str, Any]) -> DDTreeConfig:
-    """Check the loaded drafter and attach the DDTree settings to it."""
-    draft_hf = speculative_config.draft_model_config.hf_config
-    archs = list(getattr(draft_hf, "architectures", None) or [])
+def check_drafter(model: str, revision: str | None = None) -> None:
+    """Fail early, naming the field, if ``model`` is not a DFlash drafter.
+
+    (Without this, vLLM's own error for a non-DFlash drafter under method
+    ``dflash`` is a long list of supported architectures.)
+    """
+    from transformers import PretrainedConfig
+
+    config, _ = PretrainedConfig.get_config_dict(model, revision=revision)
+    archs = list(config.get("architectures") or [])
     if "DFlashDraftModel" not in archs:
         raise _fail(
             "model",
             f"is not a DFlash drafter (architectures {archs})",
             'DDTree needs a drafter with architectures ["DFlashDraftModel"]',
         )
+
+
+def finalize(speculative_config: Any, options: dict[str, Any]) -> DDTreeConfig:
+    """Check the loaded drafter and attach the DDTree settings to it."""
+    draft_hf = speculative_config.draft_model_config.hf_config
     dflash_config = getattr(draft_hf, "dflash_config", None)
     if not isinstance(dflash_config, dict):
         raise _fail(
@@ -159,3 +170,51 @@ def get_ddtree_config(vllm_config: Any) -> DDTreeConfig | None:
     return get_ddtree_config_from_speculative(
         getattr(vllm_config, "speculative_config", None)
     )
+
+
+# ``SamplingParams.extra_args`` key of the per-request budget override.
+BUDGET_ARG = "ddtree_budget"
+
+
+def validate_request(params: Any, cfg: DDTreeConfig) -> None:
+    """Reject a request whose sampling settings DDTree cannot honour.
+
+    Called in the front-end, so a bad request fails alone (HTTP 400 from the
+    server, ``ValueError`` from ``LLM.generate``) and the engine keeps
+    serving. Penalties, bad words, min_tokens and logits processors condition
+    on the tokens before each position, which differ per tree branch; the
+    tree sampler does not implement them yet, and silently dropping them
+    would change the output.
+    """
+    unsupported = []
+    if params.presence_penalty or params.frequency_penalty:
+        unsupported.append("presence_penalty / frequency_penalty")
+    if params.repetition_penalty != 1.0:
+        unsupported.append("repetition_penalty")
+    if params.bad_words:
+        unsupported.append("bad_words")
+    if params.allowed_token_ids:
+        unsupported.append("allowed_token_ids")
+    if params.logit_bias:
+        unsupported.append("logit_bias")
+    if params.min_tokens:
+        unsupported.append("min_tokens")
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        unsupported.append("logprobs / prompt_logprobs")
+    if params.structured_outputs is not None:
+        unsupported.append("structured outputs")
+    if unsupported:
+        raise ValueError(
+            f"speculative method 'ddtree' does not support {', '.join(unsupported)}"
+            " yet; remove them from the request or serve without ddtree."
+        )
+    budget = (params.extra_args or {}).get(BUDGET_ARG)
+    if budget is not None and (
+        isinstance(budget, bool)
+        or not isinstance(budget, int)
+        or not 0 <= budget <= cfg.budget
+    ):
+        raise ValueError(
+            f"extra_args[{BUDGET_ARG!r}] must be an integer in [0, {cfg.budget}] "
+            f"(the engine's num_speculative_tokens), got {budget!r}"
+        )

@@ -19,7 +19,11 @@ hooks, and why each is needed:
    per request, but a DDTree drafter runs ``max_depth`` queries whatever the
    budget, so a large budget would needlessly shrink (or zero) the token
    budget.
-3. ``register_backend(AttentionBackendEnum.CPU_ATTN, ...)`` (CPU only): the
+3. ``InputProcessor._validate_params`` (front-end process) is wrapped to
+   reject, per request, the sampling features DDTree does not implement yet
+   and bad ``extra_args["ddtree_budget"]`` values: the request fails alone
+   (HTTP 400 / ``ValueError``) instead of the engine failing later.
+4. ``register_backend(AttentionBackendEnum.CPU_ATTN, ...)`` (CPU only): the
    CPU platform always uses ``CPU_ATTN`` whatever backend is selected, so
    tree attention on CPU has to take that name. The replacement subclasses
    the stock backend and behaves exactly like it unless the DDTree runner
@@ -63,6 +67,12 @@ def register() -> None:
         SpeculativeConfig.max_num_new_slots_for_drafting = property(
             _wrap_new_slots(slots.fget)
         )
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    if not getattr(InputProcessor._validate_params, _WRAPPED, False):
+        InputProcessor._validate_params = _wrap_validate_params(
+            InputProcessor._validate_params
+        )
     if current_platform.is_cpu():
         from vllm.v1.attention.backends.registry import (
             AttentionBackendEnum,
@@ -85,10 +95,16 @@ def _wrap_create_speculative_config(original):
         if not isinstance(spec, dict) or spec.get("method") != "ddtree":
             return original(self, target_model_config, target_parallel_config)
 
-        from vllm_ddtree.config import CONFIG_KEY, finalize, parse_user_options
+        from vllm_ddtree.config import (
+            CONFIG_KEY,
+            check_drafter,
+            finalize,
+            parse_user_options,
+        )
 
         spec = parse_user_options(spec)
         options = spec.pop(CONFIG_KEY)
+        check_drafter(spec["model"], spec.get("revision"))
         _check_target(target_model_config)
         _configure_engine(self, target_parallel_config)
         self.speculative_config = spec
@@ -164,3 +180,21 @@ def _wrap_new_slots(original):
         return slots - (cfg.budget - cfg.max_depth)
 
     return _mark(max_num_new_slots_for_drafting)
+
+
+def _wrap_validate_params(original):
+    @functools.wraps(original)
+    def _validate_params(self, params, supported_tasks):
+        original(self, params, supported_tasks)
+        from vllm import SamplingParams
+
+        from vllm_ddtree.config import (
+            get_ddtree_config_from_speculative,
+            validate_request,
+        )
+
+        cfg = get_ddtree_config_from_speculative(self.speculative_config)
+        if cfg is not None and isinstance(params, SamplingParams):
+            validate_request(params, cfg)
+
+    return _mark(_validate_params)

@@ -62,7 +62,6 @@ class TreeRejectionSampler(RejectionSampler):
         sampling_metadata: SamplingMetadata,
     ) -> SamplerOutput:
         step, self.step = self.step, None
-        _check_supported(sampling_metadata)
         device = logits.device
         num_draft = np.asarray(metadata.num_draft_tokens, dtype=np.int64)
         num_nodes = num_draft + 1
@@ -147,24 +146,3 @@ class TreeRejectionSampler(RejectionSampler):
                     race[rows[0] : rows[-1] + 1].exponential_(generator=generator)
         sampled = (probs / race).argmax(dim=-1)
         return torch.where(is_greedy, greedy_tokens, sampled)
-
-
-def _check_supported(sampling_metadata: SamplingMetadata) -> None:
-    """Refuse sampling features whose tree form is not implemented.
-
-    Penalties, bad words and logits processors condition on the tokens
-    before each position, which differ per tree branch.
-    """
-    unsupported = []
-    if not sampling_metadata.no_penalties:
-        unsupported.append("presence/frequency/repetition penalties")
-    if sampling_metadata.bad_words_token_ids:
-        unsupported.append("bad_words")
-    if sampling_metadata.allowed_token_ids_mask is not None:
-        unsupported.append("allowed_token_ids")
-    if sampling_metadata.max_num_logprobs is not None:
-        unsupported.append("logprobs")
-    if unsupported:
-        raise NotImplementedError(
-            "method 'ddtree' does not support " + ", ".join(unsupported) + " yet"
-        )

@@ -35,7 +35,7 @@ from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.config import BUDGET_ARG, get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import (
     TreeAttentionInfo,
     publish_tree,
@@ -259,7 +259,19 @@ class DDTreeModelRunnerMixin:
         depths = trees.depths.cpu().numpy()
         for row, req_id in enumerate(draft.req_ids):
             self._trees[req_id] = StoredTree(tokens[row], parents[row], depths[row])
+            # Nodes come best-first, so the first k of a tree built with
+            # budget B are exactly the tree built with budget k.
+            budget = self._request_budget(req_id)
+            if budget is not None:
+                draft.draft_token_ids[row] = draft.draft_token_ids[row][:budget]
         return draft
+
+    def _request_budget(self, req_id: str) -> int | None:
+        """The request's ``extra_args["ddtree_budget"]`` (validated upfront)."""
+        state = self.requests.get(req_id)
+        if state is None or state.sampling_params is None:
+            return None
+        return (state.sampling_params.extra_args or {}).get(BUDGET_ARG)
 
 
 class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
