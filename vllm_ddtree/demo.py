@@ -1,0 +1,162 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Generate with DDTree and print the text and the acceptance statistics.
+
+    python -m vllm_ddtree.demo                       # bundled tiny models (CPU)
+    python -m vllm_ddtree.demo --model M --drafter D --budget 64   # your own
+
+With ``--compare`` it also runs the same prompts without speculation and
+reports whether the greedy outputs are identical and the speed ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from dataclasses import dataclass
+
+DEFAULT_PROMPTS = [
+    "The history of the city begins",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The main idea of speculative decoding is",
+]
+
+
+@dataclass
+class RunResult:
+    texts: list[str]
+    token_ids: list[list[int]]
+    seconds: float
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens produced per verify round: accepted drafts plus the bonus."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else float("nan")
+
+
+def _run(args, prompts: list[str], speculative_config: dict | None) -> RunResult:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        seed=0,
+        disable_log_stats=False,
+        speculative_config=speculative_config,
+    )
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True
+    )
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm
+    counters_before = _spec_counters(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    counters = _spec_counters(llm)
+    del llm
+    gc.collect()
+    return RunResult(
+        texts=[o.outputs[0].text for o in outputs],
+        token_ids=[list(o.outputs[0].token_ids) for o in outputs],
+        seconds=seconds,
+        **{k: counters[k] - counters_before[k] for k in counters},
+    )
+
+
+def _spec_counters(llm) -> dict[str, int]:
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted",
+    }
+    counters = dict.fromkeys(names.values(), 0)
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            counters[names[metric.name]] += int(metric.value)
+    return counters
+
+
+def _parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="target model (default: bundled fixture)")
+    parser.add_argument("--drafter", help="DFlash drafter (default: bundled)")
+    parser.add_argument("--budget", type=int, default=32, help="tree budget B")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="default 0.25 on CPU (it is the share of host memory there), 0.9 on GPU",
+    )
+    parser.add_argument("--prompt", action="append", help="repeatable")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--compare", action="store_true", help="also run without speculation"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = _parse_args(argv)
+    if args.gpu_memory_utilization is None:
+        from vllm.platforms import current_platform
+
+        args.gpu_memory_utilization = 0.25 if current_platform.is_cpu() else 0.9
+    if (args.model is None) != (args.drafter is None):
+        raise SystemExit("--model and --drafter go together")
+    if args.model is None:
+        from vllm_ddtree.fixtures import fixture_paths
+
+        paths = fixture_paths()
+        args.model, args.drafter = str(paths.dense_target), str(paths.dense_drafter)
+    prompts = args.prompt or DEFAULT_PROMPTS
+
+    spec = {
+        "method": "ddtree",
+        "model": args.drafter,
+        "num_speculative_tokens": args.budget,
+    }
+    tree = _run(args, prompts, spec)
+    for prompt, text in zip(prompts, tree.texts, strict=True):
+        print(f"--- {prompt!r}\n{text}\n")
+
+    from transformers import AutoConfig
+
+    block_size = getattr(AutoConfig.from_pretrained(args.drafter), "block_size", None)
+    rows = [
+        ("block size", block_size),
+        ("tree budget", args.budget),
+        ("decode rounds", tree.drafts),
+        ("mean acceptance length", f"{tree.mean_acceptance_length:.2f}"),
+        ("tokens", tree.num_tokens),
+        ("tok/s", f"{tree.num_tokens / tree.seconds:.1f}"),
+    ]
+    if args.compare:
+        plain = _run(args, prompts, None)
+        rows += [
+            ("no-spec tok/s", f"{plain.num_tokens / plain.seconds:.1f}"),
+            ("speedup vs no-spec", f"{plain.seconds / tree.seconds:.2f}x"),
+        ]
+        if args.temperature == 0:
+            rows.append(("identical to no-spec", plain.token_ids == tree.token_ids))
+    width = max(len(name) for name, _ in rows)
+    print("DDTree statistics")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()
