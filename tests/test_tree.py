@@ -201,3 +201,22 @@ def test_walk_and_permutation_match_reference(seed):
         assert int(res.bonus[r]) == bonus
         rest = [j for j in range(n_max) if j not in path]
         assert perm[r].tolist() == path + rest
+
+
+def test_packed_mask_round_trips():
+    from vllm_ddtree.v1.attention.backends.tree_attn import pack_ancestor_mask
+    from vllm_ddtree.v1.attention.ops.tree_attention_ref import unpack_tree_mask
+
+    g = torch.Generator().manual_seed(1)
+    sizes = [1, 5, 33, 70]
+    n_max = max(sizes)
+    parents = torch.full((len(sizes), n_max), -1, dtype=torch.long)
+    for r, n in enumerate(sizes):
+        parents[r, :n] = torch.tensor(_random_tree(n, g))
+    mask = ancestor_mask(parents, torch.tensor(sizes), n_max)
+    packed, row_start = pack_ancestor_mask(mask, sizes)
+    assert packed.dtype == torch.int32 and packed.shape == (sum(sizes), 3)
+    bits = unpack_tree_mask(packed, n_max)
+    for r, n in enumerate(sizes):
+        rows = bits[int(row_start[r]) : int(row_start[r]) + n]
+        assert torch.equal(rows.bool(), mask[r, :n])

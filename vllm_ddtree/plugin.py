@@ -28,6 +28,9 @@ hooks, and why each is needed:
    tree attention on CPU has to take that name. The replacement subclasses
    the stock backend and behaves exactly like it unless the DDTree runner
    has published a tree for the current batch.
+5. ``register_backend(AttentionBackendEnum.CUSTOM, ...)`` (CUDA only): the
+   FlashAttention-based tree backend; hook 1 selects it for DDTree targets
+   (vLLM's enum of backends is closed, ``CUSTOM`` is its extension point).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ logger = init_logger(__name__)
 
 _CPU_TREE_BACKEND = (
     "vllm_ddtree.v1.attention.backends.cpu_tree_attn.CPUTreeAttentionBackend"
+)
+_GPU_TREE_BACKEND = (
+    "vllm_ddtree.v1.attention.backends.flash_tree_attn.FlashTreeAttentionBackend"
 )
 _WORKERS = {
     "cpu": "vllm_ddtree.v1.worker.ddtree_worker.DDTreeCPUWorker",
@@ -73,13 +79,15 @@ def register() -> None:
         InputProcessor._validate_params = _wrap_validate_params(
             InputProcessor._validate_params
         )
-    if current_platform.is_cpu():
-        from vllm.v1.attention.backends.registry import (
-            AttentionBackendEnum,
-            register_backend,
-        )
+    from vllm.v1.attention.backends.registry import (
+        AttentionBackendEnum,
+        register_backend,
+    )
 
+    if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, _CPU_TREE_BACKEND)
+    elif current_platform.is_cuda():
+        register_backend(AttentionBackendEnum.CUSTOM, _GPU_TREE_BACKEND)
     logger.debug("vllm-ddtree plugin registered in process %d", os.getpid())
 
 
@@ -158,6 +166,20 @@ def _configure_engine(engine_args, parallel_config) -> None:
             f"method 'ddtree' supports CPU and CUDA platforms, not "
             f"{current_platform.device_name}"
         )
+    if current_platform.is_cuda():
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        chosen = engine_args.attention_backend or getattr(
+            engine_args.attention_config, "backend", None
+        )
+        if chosen not in (None, AttentionBackendEnum.CUSTOM, "CUSTOM"):
+            raise ValueError(
+                f"attention_backend={chosen} cannot verify trees; method 'ddtree' "
+                "uses its own FlashAttention-based tree backend. Remove "
+                "--attention-backend."
+            )
+        engine_args.attention_backend = AttentionBackendEnum.CUSTOM
+
     worker_cls = _WORKERS[platform]
     if parallel_config.worker_cls not in ("auto", worker_cls):
         raise ValueError(

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -36,6 +37,8 @@ class TreeAttentionInfo:
         ctx_len: ``[R]`` tokens before the root; the tree occupies cache
             positions ``ctx_len .. ctx_len + num_nodes - 1``.
         mask: ``[R, N, N]`` bool ancestor-or-self matrix of each tree.
+        packed_mask / mask_row_start: the same, bit-packed for the Triton
+            kernel (see :func:`pack_ancestor_mask`).
     """
 
     req_rows: torch.Tensor
@@ -43,6 +46,8 @@ class TreeAttentionInfo:
     num_nodes: torch.Tensor
     ctx_len: torch.Tensor
     mask: torch.Tensor
+    packed_mask: torch.Tensor
+    mask_row_start: torch.Tensor
     req_rows_cpu: list[int]
     q_start_cpu: list[int]
     num_nodes_cpu: list[int]
@@ -133,6 +138,32 @@ class PagedKVLayout:
         storage = self._block_storage(kv_cache)
         for index in (self.key_index, self.value_index):
             storage[self._where(index, dst)] = storage[self._where(index, src)]
+
+
+def pack_ancestor_mask(
+    mask: torch.Tensor, num_nodes: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bit-pack the valid rows of ``[R, N, N]`` masks for the Triton kernel.
+
+    Returns ``(packed [sum(num_nodes), ceil(N / 32)] int32, row_start [R]
+    int32)``: row ``row_start[r] + i`` holds node ``i`` of request ``r``,
+    bit ``j % 32`` of word ``j // 32`` set iff node ``j`` is visible.
+    ``num_nodes`` is a host list, so no device sync is needed.
+    """
+    num_reqs, n, _ = mask.shape
+    words = (n + 31) // 32
+    bits = torch.zeros(num_reqs, n, words * 32, dtype=torch.int64, device=mask.device)
+    bits[:, :, :n] = mask.long()
+    weights = 1 << torch.arange(32, device=mask.device, dtype=torch.int64)
+    packed = (bits.view(num_reqs, n, words, 32) * weights).sum(dim=-1)
+    # Two's-complement view of the 32-bit words (bit 31 becomes the sign).
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    rows = np.repeat(np.arange(num_reqs), num_nodes)
+    nodes = np.concatenate([np.arange(k) for k in num_nodes])
+    starts = np.cumsum(num_nodes) - np.asarray(num_nodes)
+    device = mask.device
+    flat = packed[torch.from_numpy(rows).to(device), torch.from_numpy(nodes).to(device)]
+    return flat, torch.from_numpy(starts.astype(np.int32)).to(device)
 
 
 def torch_tree_attention(
