@@ -41,7 +41,8 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-logger = init_logger(__name__)
+# Under "vllm." so that vLLM's logging configuration (level, format) applies.
+logger = init_logger(f"vllm.{__name__}")
 
 _CPU_TREE_BACKEND = (
     "vllm_ddtree.v1.attention.backends.cpu_tree_attn.CPUTreeAttentionBackend"

@@ -1,0 +1,80 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The plugin is loaded through the entry point in every vLLM process."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+
+import pytest
+
+from vllm_ddtree import plugin
+
+SCRIPT = textwrap.dedent(
+    """
+    import os
+    from vllm import LLM, SamplingParams
+
+    if __name__ == "__main__":
+        print("PARENT", os.getpid(), flush=True)
+        llm = LLM(model={model!r}, dtype="bfloat16", max_model_len=128,
+                  enforce_eager=True, gpu_memory_utilization=0.25,
+                  speculative_config={spec!r})
+        out = llm.generate({{"prompt_token_ids": [5, 6, 7]}},
+                           SamplingParams(temperature=0, max_tokens=4))
+        print("TOKENS", len(out[0].outputs[0].token_ids), flush=True)
+    """
+)
+
+
+def test_entry_point_is_declared():
+    (ep,) = [
+        e for e in entry_points(group="vllm.general_plugins") if e.name == "ddtree"
+    ]
+    assert ep.load() is plugin.register
+
+
+def test_register_is_idempotent():
+    from vllm.engine.arg_utils import EngineArgs
+
+    plugin.register()
+    wrapped = EngineArgs.create_speculative_config
+    plugin.register()
+    assert EngineArgs.create_speculative_config is wrapped
+
+
+@pytest.mark.slow
+def test_plugin_runs_in_engine_core_and_worker(fixtures, tmp_path):
+    spec = {
+        "method": "ddtree",
+        "model": str(fixtures.dense_drafter),
+        "num_speculative_tokens": 4,
+    }
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT.format(model=str(fixtures.dense_target), spec=spec))
+    env = dict(
+        os.environ,
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        VLLM_LOGGING_LEVEL="DEBUG",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "TOKENS 4" in log
+    parent = int(re.search(r"PARENT (\d+)", log).group(1))
+    pids = {
+        int(p)
+        for p in re.findall(r"vllm-ddtree plugin registered in process (\d+)", log)
+    }
+    # The front-end, the engine core and the worker each loaded it.
+    assert parent in pids and len(pids) >= 3, pids
