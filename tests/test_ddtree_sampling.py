@@ -101,7 +101,7 @@ def test_tree_walk_samples_the_target_distribution(fixtures):
         )
         del llm
         gc.collect()
-    assert accepted > NUM_SAMPLES // 4, "trees must accept for the test to mean much"
+    assert accepted > NUM_SAMPLES // 10, "trees must accept for the test to mean much"
 
     for pos in range(MAX_TOKENS):
         ref_tokens = [s[pos] for s in reference]
