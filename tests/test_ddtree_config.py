@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import gc
-
 import pytest
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 
+from tests.utils import ddtree_config, make_llm, shutdown_llm
 from vllm_ddtree.config import (
     DDTreeConfig,
     parse_user_options,
@@ -72,16 +71,10 @@ def test_good_request_passes():
 
 
 def _llm(fixtures, target, drafter, **kwargs):
-    return LLM(
-        model=str(target),
-        dtype="bfloat16",
+    return make_llm(
+        target,
         max_model_len=256,
-        enforce_eager=True,
-        speculative_config={
-            "method": "ddtree",
-            "model": str(drafter),
-            "num_speculative_tokens": 4,
-        },
+        speculative_config=ddtree_config(drafter, 4),
         **kwargs,
     )
 
@@ -117,5 +110,4 @@ def test_engine_keeps_serving_after_a_bad_request(fixtures):
         llm.generate(prompt, SamplingParams(repetition_penalty=1.3))
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8))
     assert len(out[0].outputs[0].token_ids) == 8
-    del llm
-    gc.collect()
+    shutdown_llm(llm)

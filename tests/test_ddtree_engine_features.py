@@ -10,12 +10,11 @@ length limits land inside accepted paths.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 from vllm import LLM, SamplingParams
 
 from tests.oracle_drafter import Oracle, oracle_drafter
+from tests.utils import ddtree_config, make_llm, shutdown_llm
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +23,8 @@ BUDGET = 16
 
 
 def _engine(fixtures, speculative_config=None) -> LLM:
-    return LLM(
-        model=str(fixtures.dense_target),
-        dtype="bfloat16",
+    return make_llm(
+        fixtures.dense_target,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=8,
         max_num_batched_tokens=256,
@@ -34,9 +32,6 @@ def _engine(fixtures, speculative_config=None) -> LLM:
         enable_prefix_caching=True,
         num_gpu_blocks_override=48,
         block_size=16,
-        enforce_eager=True,
-        seed=0,
-        disable_log_stats=False,
         speculative_config=speculative_config,
     )
 
@@ -86,15 +81,10 @@ def test_engine_features_keep_greedy_output(fixtures):
     llm = _engine(fixtures)
     base = _run(llm, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     expected = {name: _run(llm, params) for name, params in _scenarios(base)}
-    del llm
-    gc.collect()
+    shutdown_llm(llm)
 
     oracle = Oracle({tuple(p): p + o for p, o in zip(PROMPTS, base, strict=True)})
-    spec = {
-        "method": "ddtree",
-        "model": str(fixtures.dense_drafter),
-        "num_speculative_tokens": BUDGET,
-    }
+    spec = ddtree_config(fixtures.dense_drafter, BUDGET)
     with oracle_drafter(oracle):
         llm = _engine(fixtures, spec)
         for name, params in _scenarios(base):
@@ -102,8 +92,7 @@ def test_engine_features_keep_greedy_output(fixtures):
             for i, (want, have) in enumerate(zip(expected[name], got, strict=True)):
                 assert have == want, f"{name}: prompt {i} differs"
         metrics = {m.name: m for m in llm.get_metrics()}
-        del llm
-        gc.collect()
+        shutdown_llm(llm)
 
     # The scenarios really exercised what they claim to.
     assert len(base[-1]) < 60  # cut by max_model_len

@@ -10,12 +10,11 @@ positions, the tree masks and the drafter's reordered context. One engine per
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 from vllm import LLM, SamplingParams
 
 from tests.oracle_drafter import Oracle, oracle_drafter
+from tests.utils import ddtree_config, make_llm, metric, shutdown_llm
 
 pytestmark = pytest.mark.slow
 
@@ -31,20 +30,6 @@ def _prompts() -> list[list[int]]:
     ]
 
 
-def _engine(fixtures, block_size: int, speculative_config=None) -> LLM:
-    return LLM(
-        model=str(fixtures.dense_target),
-        dtype="bfloat16",
-        max_model_len=512,
-        max_num_seqs=16,
-        block_size=block_size,
-        enforce_eager=True,
-        seed=0,
-        disable_log_stats=False,
-        speculative_config=speculative_config,
-    )
-
-
 def _generate(llm: LLM, prompts: list[list[int]], batch: int) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = []
@@ -54,19 +39,14 @@ def _generate(llm: LLM, prompts: list[list[int]], batch: int) -> list[list[int]]
     return outputs
 
 
-def _counter(llm: LLM, name: str) -> int:
-    return sum(m.value for m in llm.get_metrics() if m.name == name)
-
-
 @pytest.fixture(scope="module")
 def reference(fixtures) -> dict[int, list[list[int]]]:
     """No-spec greedy outputs per KV block size."""
     out = {}
     for block_size in BLOCK_SIZES:
-        llm = _engine(fixtures, block_size)
+        llm = make_llm(fixtures.dense_target, block_size=block_size)
         out[block_size] = _generate(llm, _prompts(), batch=16)
-        del llm
-        gc.collect()
+        shutdown_llm(llm)
     return out
 
 
@@ -76,21 +56,18 @@ def test_greedy_equals_no_spec(fixtures, reference, budget, block_size):
     prompts = _prompts()
     expected = reference[block_size]
     oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, expected, strict=True)})
-    spec = {
-        "method": "ddtree",
-        "model": str(fixtures.dense_drafter),
-        "num_speculative_tokens": budget,
-    }
+    spec = ddtree_config(fixtures.dense_drafter, budget)
     with oracle_drafter(oracle):
-        llm = _engine(fixtures, block_size, spec)
+        llm = make_llm(
+            fixtures.dense_target, block_size=block_size, speculative_config=spec
+        )
         for batch, subset in ((16, NUM_PROMPTS), (4, 8), (1, 3)):
             got = _generate(llm, prompts[:subset], batch)
             for i, (want, have) in enumerate(zip(expected, got, strict=False)):
                 assert have == want, f"prompt {i} differs at batch {batch}"
-        drafts = _counter(llm, "vllm:spec_decode_num_drafts")
-        accepted = _counter(llm, "vllm:spec_decode_num_accepted_tokens")
-        del llm
-        gc.collect()
+        drafts = metric(llm, "vllm:spec_decode_num_drafts")
+        accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
+        shutdown_llm(llm)
     # The oracle makes trees accept: the test is only meaningful if they do.
     mean_accepted = accepted / drafts
     assert mean_accepted > (0.5 if budget == 1 else 1.2), mean_accepted

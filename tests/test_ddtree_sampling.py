@@ -12,7 +12,6 @@ Half of the requests carry seeds, which exercises per-request generators.
 
 from __future__ import annotations
 
-import gc
 from collections import Counter
 
 import pytest
@@ -20,6 +19,7 @@ from scipy.stats import chi2_contingency
 from vllm import LLM, SamplingParams
 
 from tests.oracle_drafter import Oracle, oracle_drafter
+from tests.utils import ddtree_config, make_llm, metric, shutdown_llm
 
 pytestmark = pytest.mark.slow
 
@@ -45,14 +45,10 @@ def _samples(llm: LLM, temperature: float, top_k: int) -> list[list[int]]:
 
 
 def _engine(fixtures, speculative_config=None) -> LLM:
-    return LLM(
-        model=str(fixtures.dense_target),
-        dtype="bfloat16",
+    return make_llm(
+        fixtures.dense_target,
         max_model_len=256,
         max_num_seqs=64,
-        enforce_eager=True,
-        seed=0,
-        disable_log_stats=False,
         speculative_config=speculative_config,
     )
 
@@ -83,24 +79,14 @@ def test_tree_walk_samples_the_target_distribution(fixtures):
         .outputs[0]
         .token_ids
     )
-    del llm
-    gc.collect()
+    shutdown_llm(llm)
 
-    spec = {
-        "method": "ddtree",
-        "model": str(fixtures.dense_drafter),
-        "num_speculative_tokens": 8,
-    }
+    spec = ddtree_config(fixtures.dense_drafter, 8)
     with oracle_drafter(Oracle({tuple(PROMPT): PROMPT + list(greedy)})):
         llm = _engine(fixtures, spec)
         samples = _samples(llm, temperature, top_k)
-        accepted = sum(
-            m.value
-            for m in llm.get_metrics()
-            if m.name == "vllm:spec_decode_num_accepted_tokens"
-        )
-        del llm
-        gc.collect()
+        accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
+        shutdown_llm(llm)
     assert accepted > NUM_SAMPLES // 10, "trees must accept for the test to mean much"
 
     for pos in range(MAX_TOKENS):

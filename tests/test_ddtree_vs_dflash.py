@@ -10,10 +10,10 @@ DFlash's behaviour on real drafter predictions.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
+
+from tests.utils import ddtree_config, dflash_config, make_llm, shutdown_llm
 
 pytestmark = pytest.mark.slow
 
@@ -21,14 +21,10 @@ PROMPTS = [[(17 * i + 5 * j) % 300 + 5 for j in range(4 + i)] for i in range(8)]
 
 
 def _run(fixtures, spec) -> tuple[list[list[int]], dict[str, int]]:
-    llm = LLM(
-        model=str(fixtures.dense_target),
-        dtype="bfloat16",
+    llm = make_llm(
+        fixtures.dense_target,
         max_model_len=256,
         max_num_seqs=8,
-        enforce_eager=True,
-        seed=0,
-        disable_log_stats=False,
         speculative_config=spec,
     )
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -38,26 +34,14 @@ def _run(fixtures, spec) -> tuple[list[list[int]], dict[str, int]]:
         for m in llm.get_metrics()
         if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value")
     }
-    del llm
-    gc.collect()
+    shutdown_llm(llm)
     return [list(o.outputs[0].token_ids) for o in outputs], counters
 
 
 def test_forced_spine_tree_reproduces_dflash_chain(fixtures):
-    drafter = str(fixtures.dense_drafter)
-    chain_out, chain = _run(
-        fixtures,
-        {"method": "dflash", "model": drafter, "num_speculative_tokens": 15},
-    )
-    tree_out, tree = _run(
-        fixtures,
-        {
-            "method": "ddtree",
-            "model": drafter,
-            "num_speculative_tokens": 15,
-            "ddtree": {"force_spine": True},
-        },
-    )
+    drafter = fixtures.dense_drafter
+    chain_out, chain = _run(fixtures, dflash_config(drafter, 15))
+    tree_out, tree = _run(fixtures, ddtree_config(drafter, 15, force_spine=True))
     assert tree_out == chain_out
     # The fixture drafter really predicts: the comparison is not vacuous.
     assert chain["vllm:spec_decode_num_accepted_tokens"] > 0

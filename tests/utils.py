@@ -92,3 +92,15 @@ def metric(llm: LLM, name: str) -> Any:
     if hasattr(found[0], "values"):
         return list(found[0].values)
     return sum(m.value for m in found)
+
+
+def ddtree_config(drafter: str | Path, budget: int, **options: Any) -> dict[str, Any]:
+    """``speculative_config`` for DDTree; ``options`` go under ``"ddtree"``."""
+    config: dict[str, Any] = {
+        "method": "ddtree",
+        "model": str(drafter),
+        "num_speculative_tokens": budget,
+    }
+    if options:
+        config["ddtree"] = options
+    return config
