@@ -131,6 +131,14 @@ def _random_tree(n, g):
     return parents
 
 
+def _random_parents(sizes, g):
+    """``[len(sizes), max(sizes)]`` parents of random trees, ``-1`` padded."""
+    parents = torch.full((len(sizes), max(sizes)), -1, dtype=torch.long)
+    for r, n in enumerate(sizes):
+        parents[r, :n] = torch.tensor(_random_tree(n, g))
+    return parents
+
+
 def _depths(parents):
     depths = [0] * len(parents)
     for i in range(1, len(parents)):
@@ -142,9 +150,7 @@ def test_ancestor_mask_random_trees():
     g = torch.Generator().manual_seed(0)
     sizes = [1, 2, 9, 17]
     n_max = max(sizes)
-    parents = torch.full((len(sizes), n_max), -1, dtype=torch.long)
-    for r, n in enumerate(sizes):
-        parents[r, :n] = torch.tensor(_random_tree(n, g))
+    parents = _random_parents(sizes, g)
     max_depth = max(max(_depths(parents[r, :n].tolist())) for r, n in enumerate(sizes))
     mask = ancestor_mask(parents, torch.tensor(sizes), max_depth)
     for r, n in enumerate(sizes):
@@ -210,9 +216,7 @@ def test_packed_mask_round_trips():
     g = torch.Generator().manual_seed(1)
     sizes = [1, 5, 33, 70]
     n_max = max(sizes)
-    parents = torch.full((len(sizes), n_max), -1, dtype=torch.long)
-    for r, n in enumerate(sizes):
-        parents[r, :n] = torch.tensor(_random_tree(n, g))
+    parents = _random_parents(sizes, g)
     mask = ancestor_mask(parents, torch.tensor(sizes), n_max)
     packed, row_start = pack_ancestor_mask(mask, sizes)
     assert packed.dtype == torch.int32 and packed.shape == (sum(sizes), 3)

@@ -22,7 +22,6 @@ import math
 
 import torch
 from vllm import _custom_ops as ops
-from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -32,8 +31,9 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from vllm_ddtree.v1.attention.backends.tree_attn import (
     PagedKVLayout,
+    TreeAttentionImplMixin,
     TreeAttentionInfo,
-    current_tree,
+    TreeMetadataBuilderMixin,
     torch_tree_attention,
 )
 
@@ -89,50 +89,18 @@ def probe_layout(
     return PagedKVLayout(storage_ids(True), storage_ids(False), block_size)
 
 
-class CPUTreeAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        # Only causal target batches carry trees; the DFlash drafter's
-        # non-causal batches never do.
-        tree = current_tree() if common_attn_metadata.causal is True else None
-        metadata.tree = tree
-        return metadata
+class CPUTreeAttentionMetadataBuilder(
+    TreeMetadataBuilderMixin, CPUAttentionMetadataBuilder
+):
+    pass
 
 
-class CPUTreeAttentionImpl(CPUAttentionBackendImpl):
+class CPUTreeAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
     def kv_layout(self, kv_cache: torch.Tensor) -> PagedKVLayout:
         _, num_kv_heads, block_size, packed = kv_cache.shape
         return probe_layout(
             self.isa, kv_cache.dtype, block_size, num_kv_heads, packed // 2
         )
-
-    def forward(
-        self,
-        layer,
-        query,
-        key,
-        value,
-        kv_cache,
-        attn_metadata: CPUAttentionMetadata | None,
-        output,
-        output_scale=None,
-        output_block_scale=None,
-    ):
-        output = super().forward(
-            layer,
-            query,
-            key,
-            value,
-            kv_cache,
-            attn_metadata,
-            output,
-            output_scale,
-            output_block_scale,
-        )
-        tree: TreeAttentionInfo | None = getattr(attn_metadata, "tree", None)
-        if tree is not None and self.attn_type == AttentionType.DECODER:
-            self._tree_forward(query, key, value, kv_cache, attn_metadata, tree, output)
-        return output
 
     def _tree_forward(
         self,
@@ -144,16 +112,10 @@ class CPUTreeAttentionImpl(CPUAttentionBackendImpl):
         tree: TreeAttentionInfo,
         output: torch.Tensor,
     ) -> None:
-        if (
-            self.sliding_window != -1
-            or self.alibi_slopes is not None
-            or self.logits_soft_cap
-            or self.sinks is not None
-            or self.is_fp8_kv_cache
-        ):
+        if self.sliding_window != -1 or self.sinks is not None or self.is_fp8_kv_cache:
             raise NotImplementedError(
-                "CPU tree attention supports plain causal attention only (no "
-                "sliding window, ALiBi, soft-cap, sinks or fp8 KV cache)."
+                "CPU tree attention does not support sliding windows, sinks or "
+                "an fp8 KV cache."
             )
         out = output.view(output.shape[0], self.num_heads, self.head_size)
         torch_tree_attention(
@@ -167,11 +129,6 @@ class CPUTreeAttentionImpl(CPUAttentionBackendImpl):
             self.scale,
             out,
         )
-
-    def copy_kv_slots(
-        self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
-    ) -> None:
-        self.kv_layout(kv_cache).copy_slots(kv_cache, src, dst)
 
 
 class CPUTreeAttentionBackend(CPUAttentionBackend):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from vllm.v1.attention.backend import AttentionType
 
 
 @dataclass
@@ -71,6 +72,66 @@ def publish_tree(info: TreeAttentionInfo | None) -> Iterator[None]:
 def current_tree() -> TreeAttentionInfo | None:
     """The tree published for the metadata being built, if any."""
     return _current_tree
+
+
+class TreeMetadataBuilderMixin:
+    """Mixed into a backend's metadata builder: attaches the published tree.
+
+    Only causal target batches carry trees; the DFlash drafter's non-causal
+    batches never do.
+    """
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        metadata.tree = current_tree() if common_attn_metadata.causal is True else None
+        return metadata
+
+
+class TreeAttentionImplMixin:
+    """Mixed into a backend's attention impl: the stock kernel runs over the
+    whole batch, then :meth:`_tree_forward` overwrites the tree rows.
+
+    Subclasses provide ``kv_layout(kv_cache)`` and ``_tree_forward``.
+    """
+
+    def forward(
+        self,
+        layer,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        output,
+        output_scale=None,
+        output_block_scale=None,
+    ):
+        output = super().forward(
+            layer,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            output,
+            output_scale,
+            output_block_scale,
+        )
+        tree: TreeAttentionInfo | None = getattr(attn_metadata, "tree", None)
+        if tree is not None and self.attn_type == AttentionType.DECODER:
+            if self.alibi_slopes is not None or self.logits_soft_cap:
+                raise NotImplementedError(
+                    "tree attention supports plain causal attention only "
+                    "(no ALiBi or soft-cap)"
+                )
+            self._tree_forward(query, key, value, kv_cache, attn_metadata, tree, output)
+        return output
+
+    def copy_kv_slots(
+        self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """``cache[dst[i]] = cache[src[i]]`` (the accepted path's commit)."""
+        self.kv_layout(kv_cache).copy_slots(kv_cache, src, dst)
 
 
 class PagedKVLayout:
