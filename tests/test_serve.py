@@ -133,3 +133,24 @@ def test_bad_request_is_400_and_server_keeps_serving(server):
         )
     ok = client.completions.create(model="tiny", prompt="x", max_tokens=4)
     assert ok.choices[0].text is not None
+
+
+def test_prometheus_reports_tree_acceptance(server):
+    _client(server).completions.create(
+        model="tiny", prompt="a b c", max_tokens=32, temperature=0
+    )
+    text = requests.get(f"{server}/metrics", timeout=10).text
+
+    def counter(name: str) -> float:
+        values = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")
+        ]
+        return sum(values)
+
+    drafts = counter("vllm:spec_decode_num_drafts_total")
+    accepted = counter("vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0
+    # The fixture drafter predicts: mean acceptance length above 1.
+    assert accepted > 0
