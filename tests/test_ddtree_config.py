@@ -33,6 +33,9 @@ def _spec(**overrides):
         ({"ddtree": [1]}, "'ddtree'"),
         ({"ddtree": {"force_spine": "yes"}}, "'ddtree.force_spine'"),
         ({"ddtree": {"max_depth": 0}}, "'ddtree.max_depth'"),
+        ({"disable_padded_drafter_batch": True}, "'disable_padded_drafter_batch'"),
+        ({"rejection_sample_method": "synthetic"}, "'rejection_sample_method'"),
+        ({"draft_sample_method": "probabilistic"}, "'draft_sample_method'"),
     ],
 )
 def test_bad_speculative_config_names_the_field(overrides, field):

@@ -49,6 +49,18 @@ class DDTreeConfig:
 
 
 _USER_KEYS = {"force_spine", "max_depth"}
+# Chain-speculation options that DDTree replaces: the value a user may leave
+# (vLLM's default) and why any other value cannot be honoured.
+_CHAIN_ONLY_OPTIONS = {
+    "disable_padded_drafter_batch": (
+        False,
+        "the tree commit reorders the padded drafter batch",
+    ),
+    "rejection_sample_method": ("standard", "trees are verified by a tree walk"),
+    "draft_sample_method": ("greedy", "trees are built from draft log-probs"),
+    "synthetic_acceptance_rates": (None, "trees are verified by a tree walk"),
+    "use_local_argmax_reduction": (False, "trees need the top-B tokens"),
+}
 
 
 def _fail(field: str, problem: str, fix: str) -> ValueError:
@@ -79,6 +91,13 @@ def parse_user_options(spec: dict[str, Any]) -> dict[str, Any]:
             f"must be a positive integer (the tree budget B), got {budget!r}",
             "Set it to the number of tree nodes per request, e.g. 64",
         )
+    for key, (default, why) in _CHAIN_ONLY_OPTIONS.items():
+        if key in spec and spec[key] != default:
+            raise _fail(
+                key,
+                f"= {spec[key]!r} is not supported: {why}",
+                f"Leave it out (default {default!r})",
+            )
     options = spec.pop(CONFIG_KEY, None) or {}
     if not isinstance(options, dict):
         raise _fail(CONFIG_KEY, f"must be a dict, got {options!r}", "Use {...}")

@@ -34,10 +34,10 @@ class DDTreeProposer(DFlashProposer):
         cfg = get_ddtree_config(vllm_config)
         assert cfg is not None, "DDTreeProposer needs a DDTree config"
         self.ddtree = cfg
-        if self.use_heterogeneous_vocab or self.use_local_argmax_reduction:
+        if self.use_heterogeneous_vocab:
             raise ValueError(
-                "method 'ddtree' needs the drafter's full-vocabulary logits; "
-                "turn off use_heterogeneous_vocab / use_local_argmax_reduction"
+                "method 'ddtree' needs a drafter that shares the target's "
+                "vocabulary (use_heterogeneous_vocab is not supported)"
             )
         self._ensure_query_capacity(cfg.max_depth)
         self.last_trees: DraftTrees | None = None
