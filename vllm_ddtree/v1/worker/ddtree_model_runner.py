@@ -256,9 +256,10 @@ class DDTreeModelRunnerMixin:
             for req_id in draft.req_ids:
                 self._trees.pop(req_id, None)
             return draft
-        tokens = trees.tokens.cpu().numpy()
-        parents = trees.parents.cpu().numpy()
-        depths = trees.depths.cpu().numpy()
+        # One device-to-host copy for the three [num_reqs, B] arrays.
+        tokens, parents, depths = (
+            torch.stack([trees.tokens, trees.parents, trees.depths]).cpu().numpy()
+        )
         for row, req_id in enumerate(draft.req_ids):
             self._trees[req_id] = StoredTree(tokens[row], parents[row], depths[row])
             # Nodes come best-first, so the first k of a tree built with
