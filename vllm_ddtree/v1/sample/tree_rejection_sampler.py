@@ -74,24 +74,24 @@ class TreeRejectionSampler(RejectionSampler):
         starts = np.cumsum(num_nodes) - num_nodes
         node_ids = np.arange(width)
         valid = node_ids[None, :] < num_nodes[:, None]
+        is_draft = valid & (node_ids[None, :] > 0)  # every node but the root
         logit_rows = np.where(valid, starts[:, None] + node_ids[None, :], 0)
         draft_rows = np.where(
-            valid & (node_ids[None, :] > 0),
+            is_draft,
             (np.cumsum(num_draft) - num_draft)[:, None] + node_ids[None, :] - 1,
             0,
         )
         logit_rows_t = torch.from_numpy(logit_rows).to(device, non_blocking=True)
         draft_rows_t = torch.from_numpy(draft_rows).to(device, non_blocking=True)
-        valid_t = torch.from_numpy(valid).to(device, non_blocking=True)
+        is_draft_t = torch.from_numpy(is_draft).to(device, non_blocking=True)
         num_nodes_t = torch.from_numpy(num_nodes).to(device, non_blocking=True)
 
         node_req = np.repeat(np.arange(len(num_nodes)), num_nodes)
         choices = self._target_choices(logits, node_req, sampling_metadata)
         target_tokens = choices[logit_rows_t]
         node_tokens = torch.where(
-            valid_t, metadata.draft_token_ids[draft_rows_t].long(), -1
+            is_draft_t, metadata.draft_token_ids[draft_rows_t].long(), -1
         )
-        node_tokens[:, 0] = -1
         walk = walk_trees(
             node_tokens,
             step.parents[:, :width],

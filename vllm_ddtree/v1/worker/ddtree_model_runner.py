@@ -38,7 +38,6 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm_ddtree.config import BUDGET_ARG, get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import (
     TreeAttentionInfo,
-    pack_ancestor_mask,
     publish_tree,
 )
 from vllm_ddtree.v1.sample.tree_rejection_sampler import (
@@ -183,7 +182,6 @@ class DDTreeModelRunnerMixin:
         rows_t = torch.from_numpy(rows).to(device)
         nodes_t = torch.from_numpy(num_nodes[rows]).to(device)
         mask = ancestor_mask(parents[rows_t], nodes_t, max_depth)
-        packed_mask, mask_row_start = pack_ancestor_mask(mask, num_nodes[rows].tolist())
         as_i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
         return TreeAttentionInfo(
             req_rows=as_i32(rows).to(device),
@@ -191,8 +189,6 @@ class DDTreeModelRunnerMixin:
             num_nodes=nodes_t.to(torch.int32),
             ctx_len=as_i32(ctx_len[rows]).to(device),
             mask=mask,
-            packed_mask=packed_mask,
-            mask_row_start=mask_row_start,
             req_rows_cpu=rows.tolist(),
             q_start_cpu=root_index[rows].tolist(),
             num_nodes_cpu=num_nodes[rows].tolist(),

@@ -50,6 +50,7 @@ class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
         if self.sliding_window != (-1, -1):
             raise NotImplementedError("tree attention does not support sliding windows")
         key_cache, value_cache = self._cache_views(kv_cache)
+        packed_mask, mask_row_start = tree.packed_mask
         tree_attention(
             query.view(-1, self.num_heads, self.head_size),
             key_cache,
@@ -59,8 +60,8 @@ class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
             tree.q_start,
             tree.num_nodes,
             tree.ctx_len,
-            tree.mask_row_start,
-            tree.packed_mask,
+            mask_row_start,
+            packed_mask,
             self.scale,
             max(tree.num_nodes_cpu),
             max_ctx_len=max(tree.ctx_len_cpu),

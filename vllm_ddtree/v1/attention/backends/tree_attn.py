@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,8 +39,6 @@ class TreeAttentionInfo:
         ctx_len: ``[R]`` tokens before the root; the tree occupies cache
             positions ``ctx_len .. ctx_len + num_nodes - 1``.
         mask: ``[R, N, N]`` bool ancestor-or-self matrix of each tree.
-        packed_mask / mask_row_start: the same, bit-packed for the Triton
-            kernel (see :func:`pack_ancestor_mask`).
     """
 
     req_rows: torch.Tensor
@@ -47,12 +46,17 @@ class TreeAttentionInfo:
     num_nodes: torch.Tensor
     ctx_len: torch.Tensor
     mask: torch.Tensor
-    packed_mask: torch.Tensor
-    mask_row_start: torch.Tensor
     req_rows_cpu: list[int]
     q_start_cpu: list[int]
     num_nodes_cpu: list[int]
     ctx_len_cpu: list[int]
+
+    @functools.cached_property
+    def packed_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mask`` bit-packed for the Triton kernel, with each request's first
+        mask row (see :func:`pack_ancestor_mask`). Built on first use, once
+        per step, and only by backends that need it."""
+        return pack_ancestor_mask(self.mask, self.num_nodes_cpu)
 
 
 _current_tree: TreeAttentionInfo | None = None
