@@ -9,6 +9,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # drafter (tests/oracle_drafter.py) patches classes in this process.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+# The fixtures are local: never wait on the Hugging Face Hub (machines
+# without network would time out on every config lookup).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import pytest  # noqa: E402
 
 from vllm_ddtree.fixtures import FixturePaths, fixture_paths  # noqa: E402

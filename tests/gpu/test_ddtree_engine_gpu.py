@@ -1,19 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """DDTree on a CUDA GPU: greedy output equals no-spec (FlashAttention + the
-Triton tree pass), with the oracle drafter so that trees accept.
+Triton tree pass), with the oracle drafter so that trees accept, eager and
+with CUDA graphs, over two KV block sizes; plus stock DFlash as the baseline
+that must keep working with the plugin installed.
 
 Run on the device machine: ``python -m pytest tests/gpu -q``.
 """
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from vllm import LLM, SamplingParams
 
 from tests.oracle_drafter import Oracle, oracle_drafter
+from tests.utils import ddtree_config, dflash_config, make_llm, metric, shutdown_llm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,42 +22,66 @@ pytestmark = [
 ]
 
 PROMPTS = [[(31 * i + 7 * j) % 300 + 5 for j in range(3 + i)] for i in range(12)]
+MAX_TOKENS = 64
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 
 
-def _engine(fixtures, enforce_eager: bool, spec=None) -> LLM:
-    return LLM(
-        model=str(fixtures.dense_target),
-        dtype="bfloat16",
-        max_model_len=512,
-        max_num_seqs=16,
+def _engine(model, enforce_eager: bool, block_size: int = 16, spec=None) -> LLM:
+    return make_llm(
+        model,
         enforce_eager=enforce_eager,
-        gpu_memory_utilization=0.3,
-        seed=0,
+        block_size=block_size,
+        # A fixed KV size: in-process engines do not hand their GPU memory
+        # back, which breaks vLLM's free-memory profiling for the next one.
+        kv_cache_memory_bytes=1 << 30,
         speculative_config=spec,
     )
 
 
-def _generate(llm: LLM) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in PROMPTS]
+def _generate(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
     return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params)]
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False])
-@pytest.mark.parametrize("budget", [8, 64])
-def test_greedy_equals_no_spec_on_gpu(fixtures, enforce_eager, budget):
-    llm = _engine(fixtures, enforce_eager)
-    expected = _generate(llm)
-    del llm
-    gc.collect()
+@pytest.fixture(scope="module")
+def expected(fixtures) -> list[list[int]]:
+    llm = _engine(fixtures.dense_target, enforce_eager=True)
+    try:
+        return _generate(llm)
+    finally:
+        shutdown_llm(llm)
+
+
+@pytest.mark.parametrize(
+    ("enforce_eager", "block_size", "budget"),
+    [(True, 16, 8), (True, 32, 64), (False, 16, 8), (False, 16, 64)],
+)
+def test_greedy_equals_no_spec_on_gpu(
+    fixtures, expected, enforce_eager, block_size, budget
+):
     oracle = Oracle({tuple(p): p + o for p, o in zip(PROMPTS, expected, strict=True)})
-    spec = {
-        "method": "ddtree",
-        "model": str(fixtures.dense_drafter),
-        "num_speculative_tokens": budget,
-    }
+    spec = ddtree_config(fixtures.dense_drafter, budget)
     with oracle_drafter(oracle):
-        llm = _engine(fixtures, enforce_eager, spec)
+        llm = _engine(fixtures.dense_target, enforce_eager, block_size, spec)
+        try:
+            # Prometheus counters are process-wide: measure this engine's share.
+            before = metric(llm, ACCEPTED) or 0
+            assert _generate(llm) == expected
+            accepted = metric(llm, ACCEPTED) - before
+            # Batch 1 too: a lone tree row next to no other request.
+            assert _generate(llm, PROMPTS[:1]) == expected[:1]
+        finally:
+            shutdown_llm(llm)
+    # The oracle makes trees accept several tokens per step; otherwise the
+    # compaction and depth positions would go untested.
+    assert accepted > len(PROMPTS) * MAX_TOKENS // 4
+
+
+def test_stock_dflash_still_works_on_gpu(fixtures, expected):
+    spec = dflash_config(fixtures.dense_drafter)
+    llm = _engine(fixtures.dense_target, enforce_eager=False, spec=spec)
+    try:
         assert _generate(llm) == expected
-        del llm
-        gc.collect()
+    finally:
+        shutdown_llm(llm)
