@@ -183,6 +183,7 @@ class DDTreeModelRunnerMixin:
         nodes_t = torch.from_numpy(num_nodes[rows]).to(device)
         mask = ancestor_mask(parents[rows_t], nodes_t, max_depth)
         as_i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
+        total_tokens = int(root_index[-1] + num_nodes[-1])
         return TreeAttentionInfo(
             req_rows=as_i32(rows).to(device),
             q_start=as_i32(root_index[rows]).to(device),
@@ -193,6 +194,7 @@ class DDTreeModelRunnerMixin:
             q_start_cpu=root_index[rows].tolist(),
             num_nodes_cpu=num_nodes[rows].tolist(),
             ctx_len_cpu=ctx_len[rows].tolist(),
+            covers_batch=int(num_nodes[rows].sum()) == total_tokens,
         )
 
     # -- step 4: tree attention metadata ---------------------------------

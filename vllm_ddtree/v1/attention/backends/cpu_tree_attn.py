@@ -124,7 +124,7 @@ class CPUTreeAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
             value,
             kv_cache,
             self.kv_layout(kv_cache),
-            metadata.block_table,
+            metadata.tree_block_table,
             tree,
             self.scale,
             out,

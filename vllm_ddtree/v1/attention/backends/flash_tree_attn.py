@@ -11,7 +11,8 @@ the DFlash drafter keeps vLLM's own backend.
 
 The tree metadata is host-built per step, so the builder declares CUDA-graph
 support only for single-token decode batches: verify batches then run with
-piecewise graphs, attention eager.
+piecewise graphs, attention eager. A batch made only of trees skips
+FlashAttention: one Triton launch per layer.
 """
 
 from __future__ import annotations
@@ -56,15 +57,15 @@ class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
             key_cache,
             value_cache,
             output.view(-1, self.num_heads, self.head_size),
-            metadata.block_table[tree.req_rows.long()],
+            metadata.tree_block_table,
             tree.q_start,
             tree.num_nodes,
             tree.ctx_len,
             mask_row_start,
             packed_mask,
             self.scale,
-            max(tree.num_nodes_cpu),
-            max_ctx_len=max(tree.ctx_len_cpu),
+            tree.max_nodes,
+            max_ctx_len=tree.max_ctx_len,
         )
 
 

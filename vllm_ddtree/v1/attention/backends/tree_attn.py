@@ -39,6 +39,8 @@ class TreeAttentionInfo:
         ctx_len: ``[R]`` tokens before the root; the tree occupies cache
             positions ``ctx_len .. ctx_len + num_nodes - 1``.
         mask: ``[R, N, N]`` bool ancestor-or-self matrix of each tree.
+        covers_batch: every token of the batch is a tree node, so the
+            backend's stock kernel has nothing left to do.
     """
 
     req_rows: torch.Tensor
@@ -50,6 +52,15 @@ class TreeAttentionInfo:
     q_start_cpu: list[int]
     num_nodes_cpu: list[int]
     ctx_len_cpu: list[int]
+    covers_batch: bool = False
+
+    @functools.cached_property
+    def max_nodes(self) -> int:
+        return max(self.num_nodes_cpu)
+
+    @functools.cached_property
+    def max_ctx_len(self) -> int:
+        return max(self.ctx_len_cpu)
 
     @functools.cached_property
     def packed_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +90,9 @@ def current_tree() -> TreeAttentionInfo | None:
 
 
 class TreeMetadataBuilderMixin:
-    """Mixed into a backend's metadata builder: attaches the published tree.
+    """Mixed into a backend's metadata builder: attaches the published tree,
+    and the block-table rows of its requests (gathered once per step rather
+    than in every layer).
 
     Only causal target batches carry trees; the DFlash drafter's non-causal
     batches never do.
@@ -87,13 +100,18 @@ class TreeMetadataBuilderMixin:
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        metadata.tree = current_tree() if common_attn_metadata.causal is True else None
+        tree = current_tree() if common_attn_metadata.causal is True else None
+        metadata.tree = tree
+        if tree is not None:
+            metadata.tree_block_table = metadata.block_table[tree.req_rows.long()]
         return metadata
 
 
 class TreeAttentionImplMixin:
     """Mixed into a backend's attention impl: the stock kernel runs over the
-    whole batch, then :meth:`_tree_forward` overwrites the tree rows.
+    whole batch, then :meth:`_tree_forward` overwrites the tree rows. When
+    the batch is nothing but trees (steady-state decoding) the stock kernel is
+    skipped: both backends write the KV cache outside ``forward``.
 
     Subclasses provide ``kv_layout(kv_cache)`` and ``_tree_forward``.
     """
@@ -110,25 +128,29 @@ class TreeAttentionImplMixin:
         output_scale=None,
         output_block_scale=None,
     ):
-        output = super().forward(
-            layer,
-            query,
-            key,
-            value,
-            kv_cache,
-            attn_metadata,
-            output,
-            output_scale,
-            output_block_scale,
-        )
         tree: TreeAttentionInfo | None = getattr(attn_metadata, "tree", None)
-        if tree is not None and self.attn_type == AttentionType.DECODER:
-            if self.alibi_slopes is not None or self.logits_soft_cap:
-                raise NotImplementedError(
-                    "tree attention supports plain causal attention only "
-                    "(no ALiBi or soft-cap)"
-                )
-            self._tree_forward(query, key, value, kv_cache, attn_metadata, tree, output)
+        if tree is None or self.attn_type != AttentionType.DECODER:
+            return super().forward(
+                layer,
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                output,
+                output_scale,
+                output_block_scale,
+            )
+        if self.alibi_slopes is not None or self.logits_soft_cap:
+            raise NotImplementedError(
+                "tree attention supports plain causal attention only "
+                "(no ALiBi or soft-cap)"
+            )
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("tree attention has no fused output quantization")
+        if not tree.covers_batch:
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        self._tree_forward(query, key, value, kv_cache, attn_metadata, tree, output)
         return output
 
     def copy_kv_slots(
@@ -237,7 +259,7 @@ def torch_tree_attention(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     layout: PagedKVLayout,
-    block_table: torch.Tensor,
+    tree_block_table: torch.Tensor,
     tree: TreeAttentionInfo,
     scale: float,
     out: torch.Tensor,
@@ -252,8 +274,8 @@ def torch_tree_attention(
     """
     device = query.device
     num_reqs = len(tree.req_rows_cpu)
-    n = max(tree.num_nodes_cpu)
-    c = max(tree.ctx_len_cpu)
+    n = tree.max_nodes
+    c = tree.max_ctx_len
     num_heads, head_size = query.shape[1:]
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
@@ -265,8 +287,9 @@ def torch_tree_attention(
 
     pos = torch.arange(c, device=device)
     ctx_valid = pos[None, :] < tree.ctx_len[:, None]
-    table = block_table[tree.req_rows.long()]
-    blocks = torch.gather(table, 1, (pos // layout.block_size).expand(num_reqs, c))
+    blocks = torch.gather(
+        tree_block_table, 1, (pos // layout.block_size).expand(num_reqs, c)
+    )
     slots = blocks.long() * layout.block_size + pos % layout.block_size
     slots = torch.where(ctx_valid, slots, 0)
     ctx_k, ctx_v = layout.gather(kv_cache, slots.flatten())
