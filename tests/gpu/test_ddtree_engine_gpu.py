@@ -34,6 +34,7 @@ def _engine(model, enforce_eager: bool, block_size: int = 16, spec=None) -> LLM:
         # A fixed KV size: in-process engines do not hand their GPU memory
         # back, which breaks vLLM's free-memory profiling for the next one.
         kv_cache_memory_bytes=1 << 30,
+        gpu_memory_utilization=0.4,
         # Piecewise CUDA graphs without Inductor: same graph capture and
         # replay, a fraction of the compile time.
         compilation_config=None if enforce_eager else {"backend": "eager"},
