@@ -78,3 +78,25 @@ def test_plugin_runs_in_engine_core_and_worker(fixtures, tmp_path):
     }
     # The front-end, the engine core and the worker each loaded it.
     assert parent in pids and len(pids) >= 3, pids
+
+
+def test_gpu_worker_does_not_import_vllm_cpu_worker():
+    """vLLM's CPU worker stack replaces ``torch.cuda.set_stream`` (and
+    ``Stream``, ``synchronize``...) with no-ops at import; on a GPU that broke
+    CUDA-graph capture ("CUDA graphs must be captured on a non-default
+    stream"). The GPU worker and everything it imports must stay clear of it.
+    """
+    code = textwrap.dedent(
+        """
+        import sys
+        import vllm_ddtree.plugin as plugin
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+        resolve_obj_by_qualname(plugin._WORKERS["cuda"])
+        bad = [m for m in sys.modules if m.startswith("vllm.v1.worker.cpu")]
+        print("CPU MODULES:", bad)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert "CPU MODULES: []" in out, out

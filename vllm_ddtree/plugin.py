@@ -51,7 +51,7 @@ _GPU_TREE_BACKEND = (
     "vllm_ddtree.v1.attention.backends.flash_tree_attn.FlashTreeAttentionBackend"
 )
 _WORKERS = {
-    "cpu": "vllm_ddtree.v1.worker.ddtree_worker.DDTreeCPUWorker",
+    "cpu": "vllm_ddtree.v1.worker.ddtree_cpu_worker.DDTreeCPUWorker",
     "cuda": "vllm_ddtree.v1.worker.ddtree_worker.DDTreeGPUWorker",
 }
 # Marks callables this module already wrapped, which keeps register()

@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""DDTree on vLLM's V1 model runner (GPU and CPU).
+"""DDTree on vLLM's V1 model runner (the CPU runner is in
+``ddtree_cpu_model_runner``: importing vLLM's CPU runner stubs out
+``torch.cuda`` streams, so GPU processes must never import it).
 
 One DDTree step, as it flows through the overridden runner methods:
 
@@ -32,7 +34,6 @@ import numpy as np
 import torch
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.worker import gpu_model_runner
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_ddtree.config import BUDGET_ARG, get_ddtree_config
@@ -276,8 +277,4 @@ class DDTreeModelRunnerMixin:
 
 
 class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
-    pass
-
-
-class DDTreeCPUModelRunner(DDTreeModelRunnerMixin, CPUModelRunner):
     pass
