@@ -101,23 +101,29 @@ def tree_causal_conv1d_update(
         parents: ``[T]`` local parent index of each token (-1 for roots).
 
     Returns:
-        ``[T, dim]`` outputs in ``x.dtype`` (computed in float32).
+        ``[T, dim]`` outputs in ``x.dtype``.
     """
     num_tokens, dim = x.shape
     width = weight.shape[1]
     rows = token_rows(query_start_loc, num_tokens)
     slots = conv_state_indices.long()
-    history = conv_state[slots, :, : width - 1].float()  # [R, dim, W-1]
+    history = conv_state[slots, :, : width - 1]  # [R, dim, W-1]
     sources = conv_window_sources(parents, query_start_loc, width)
     from_hist = sources < 0
-    tokens = x.float()[sources.clamp_min(0)]  # [T, W-1, dim]
+    tokens = x[sources.clamp_min(0)].to(history.dtype)  # [T, W-1, dim]
     hist_cols = (-sources - 1).clamp_min(0)
     hist_vals = history[rows[:, None], :, hist_cols]  # [T, W-1, dim]
     window = torch.where(from_hist[..., None], hist_vals, tokens)
-    window = torch.cat([window, x.float()[:, None, :]], dim=1)  # [T, W, dim]
-    out = torch.einsum("twd,dw->td", window, weight.float())
-    if bias is not None:
-        out = out + bias.float()
+    window = torch.cat([window, x[:, None, :].to(window.dtype)], dim=1)
+    # The same arithmetic as vLLM's CPU decode conv (a depthwise conv in the
+    # weight's dtype, activation on its rounded output), so that on CPU a
+    # node's output is bit-identical to decoding its path token by token.
+    out = F.conv1d(
+        window.transpose(1, 2).to(weight.dtype),
+        weight[:, None, :],
+        bias,
+        groups=dim,
+    ).squeeze(-1)
     if activation in ("silu", "swish"):
         out = F.silu(out)
     elif activation is not None:
@@ -125,7 +131,7 @@ def tree_causal_conv1d_update(
 
     # history[1:] ++ x(node 0) ++ ... for every request.
     local = torch.arange(num_tokens, device=x.device) - query_start_loc.long()[rows]
-    conv_state[slots, :, : width - 2] = history[:, :, 1:].to(conv_state.dtype)
+    conv_state[slots, :, : width - 2] = history[:, :, 1:]
     conv_state[slots[rows], :, width - 2 + local] = x.to(conv_state.dtype)
     return out.to(x.dtype)
 
