@@ -15,7 +15,12 @@ import torch
 from vllm import LLM
 
 from tests.oracle_drafter import Oracle, oracle_drafter
-from tests.test_ddtree_hybrid import _generate, _prompts, target  # noqa: F401
+from tests.test_ddtree_hybrid import (  # noqa: F401
+    _generate,
+    _prompts,
+    no_spec_reference,
+    target,
+)
 from tests.utils import ddtree_config
 
 pytestmark = [
@@ -46,7 +51,7 @@ def _engine(model, enforce_eager: bool, spec=None) -> LLM:
 def test_hybrid_greedy_equals_no_spec_on_gpu(fixtures, target, enforce_eager, budget):  # noqa: F811
     prompts = _prompts()
     llm = _engine(target, enforce_eager)
-    expected = _generate(llm, prompts, batch=8)
+    expected = no_spec_reference(llm, prompts)
     del llm
     gc.collect()
     oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, expected, strict=True)})
@@ -56,6 +61,6 @@ def test_hybrid_greedy_equals_no_spec_on_gpu(fixtures, target, enforce_eager, bu
         for batch, subset in ((8, len(prompts)), (1, 3)):
             got = _generate(llm, prompts[:subset], batch)
             for i, (want, have) in enumerate(zip(expected, got, strict=False)):
-                assert have == want, f"prompt {i} differs at batch {batch}"
+                assert have[: len(want)] == want, f"prompt {i}, batch {batch}"
         del llm
         gc.collect()
