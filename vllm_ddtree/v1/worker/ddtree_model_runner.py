@@ -17,8 +17,10 @@ One DDTree step, as it flows through the overridden runner methods:
 5. Forward; the tree sampler picks the target's token at every node and
    walks the tree (``[accepted..., bonus, -1...]`` rows, vLLM's format).
 6. ``_update_states_after_model_execute``: the accepted path's KV is copied
-   into consecutive slots of every target attention layer, and the drafter
-   is told to read the accepted path's hidden states first.
+   into consecutive slots of every target attention layer (hybrid targets:
+   the accepted leaf's recurrent state and the path's conv history become
+   each linear-attention layer's committed state), and the drafter is told
+   to read the accepted path's hidden states first.
 7. DFlash drafts ``max_depth`` positions and builds the next trees;
    ``take_draft_token_ids`` keeps each request's tree structure for step 3.
 """
@@ -32,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -41,6 +43,7 @@ from vllm_ddtree.v1.attention.backends.tree_attn import (
     TreeAttentionInfo,
     publish_tree,
 )
+from vllm_ddtree.v1.attention.backends.tree_gdn_attn import commit_gdn_layer
 from vllm_ddtree.v1.sample.tree_rejection_sampler import (
     TreeRejectionSampler,
     TreeVerifyInput,
@@ -191,6 +194,7 @@ class DDTreeModelRunnerMixin:
             num_nodes=nodes_t.to(torch.int32),
             ctx_len=as_i32(ctx_len[rows]).to(device),
             mask=mask,
+            parents=parents[rows_t],
             req_rows_cpu=rows.tolist(),
             q_start_cpu=root_index[rows].tolist(),
             num_nodes_cpu=num_nodes[rows].tolist(),
@@ -208,6 +212,11 @@ class DDTreeModelRunnerMixin:
     # -- step 6: commit the accepted path ---------------------------------
 
     def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
+        if self.model_config.is_hybrid:
+            # The recurrent-state commit below leaves every request's state
+            # where vLLM reads it after one accepted token (slot column 0),
+            # so vLLM's accepted count must say one token, not 1 + accepted.
+            output_token_ids = output_token_ids[:, :1]
         super()._update_states_after_model_execute(output_token_ids, scheduler_output)
         plan, self._plan = self._plan, None
         walk = self.rejection_sampler.last_walk
@@ -224,6 +233,8 @@ class DDTreeModelRunnerMixin:
             torch.from_numpy(plan.root_index).to(device)[rows_t] + perm[rows_t, ids_t]
         )
         self._compact_kv(src_tokens, dst_tokens)
+        if plan.tree is not None and self.model_config.is_hybrid:
+            self._commit_recurrent_state(plan.tree, walk)
         order = torch.arange(plan.linear_positions.shape[0], device=device)
         order[dst_tokens] = src_tokens
         self.drafter.set_accepted_order(order, plan.linear_positions)
@@ -243,6 +254,22 @@ class DDTreeModelRunnerMixin:
                     continue
                 layer = layers[name]
                 layer.impl.copy_kv_slots(layer.kv_cache, src, dst)
+
+    def _commit_recurrent_state(self, tree: TreeAttentionInfo, walk) -> None:
+        """Make each tree row's accepted path the committed state of every
+        linear-attention (GDN) layer."""
+        rows = tree.req_rows.long()
+        path, path_len = walk.path[rows], walk.num_accepted[rows] + 1
+        num_reqs = self.input_batch.num_reqs
+        layers = self.compilation_config.static_forward_context
+        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            if not isinstance(spec, MambaSpec):
+                continue
+            table = self.input_batch.block_table[gid].get_device_tensor(num_reqs)
+            slots = table[rows, : 1 + spec.num_speculative_blocks]
+            for name in group.layer_names:
+                commit_gdn_layer(layers[name], slots, path, path_len)
 
     # -- step 7: keep the proposed trees -----------------------------------
 

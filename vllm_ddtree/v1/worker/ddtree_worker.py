@@ -17,9 +17,10 @@ from vllm_ddtree.v1.worker.ddtree_model_runner import (
     DDTreeGPUModelRunner,
     patched_attribute,
 )
+from vllm_ddtree.v1.worker.state_budget import StateBudgetMixin
 
 
-class DDTreeGPUWorker(Worker):
+class DDTreeGPUWorker(StateBudgetMixin, Worker):
     def init_device(self) -> None:
         # DDTree is implemented on the V1 runner (see plugin.py).
         self.use_v2_model_runner = False

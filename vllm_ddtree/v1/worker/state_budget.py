@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Startup check that a hybrid target's per-request recurrent states fit.
+
+Shared by the GPU and CPU DDTree workers (see :func:`check_state_budget`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
+
+logger = init_logger(f"vllm.{__name__}")
+
+_GIB = 1 << 30
+
+
+def check_state_budget(
+    vllm_config: Any, kv_cache_spec: dict[str, KVCacheSpec], available: int
+) -> None:
+    """Fail at startup if one request's recurrent states do not fit.
+
+    vLLM keeps ``1 + num_speculative_tokens`` state slots per request in each
+    linear-attention layer (one per tree node, ``B + 1``), so the tree budget
+    multiplies their memory; without this check a large budget surfaces as
+    vLLM's generic "increase gpu_memory_utilization / decrease max_model_len"
+    error, which names neither the cause nor the budget.
+    """
+    pages = [
+        s.page_size_bytes for s in kv_cache_spec.values() if isinstance(s, MambaSpec)
+    ]
+    if not pages:
+        return
+    budget = vllm_config.speculative_config.num_speculative_tokens
+    per_request = (1 + budget) * sum(pages)
+    max_seqs = vllm_config.scheduler_config.max_num_seqs
+    logger.info(
+        "DDTree: recurrent states take %.3f GiB per request (%d slots x %d "
+        "linear-attention layers); %.2f GiB available for all caches",
+        per_request / _GIB,
+        1 + budget,
+        len(pages),
+        available / _GIB,
+    )
+    if per_request > available:
+        raise ValueError(
+            f"speculative_config['num_speculative_tokens'] = {budget} (the "
+            f"DDTree budget B) needs {per_request / _GIB:.2f} GiB of recurrent "
+            f"state per request ({1 + budget} slots in each of {len(pages)} "
+            f"linear-attention layers), more than the {available / _GIB:.2f} "
+            "GiB available for caches. Lower num_speculative_tokens or raise "
+            "gpu_memory_utilization (on CPU: VLLM_CPU_KVCACHE_SPACE)."
+        )
+    if per_request * max_seqs > available:
+        logger.warning(
+            "DDTree: the recurrent states of max_num_seqs=%d requests "
+            "(%.2f GiB) exceed the cache memory (%.2f GiB); fewer requests "
+            "will run at once. Lower num_speculative_tokens or max_num_seqs "
+            "to avoid it.",
+            max_seqs,
+            per_request * max_seqs / _GIB,
+            available / _GIB,
+        )
+
+
+class StateBudgetMixin:
+    """Runs :func:`check_state_budget` once the cache memory is known."""
+
+    def determine_available_memory(self) -> int:
+        available = super().determine_available_memory()
+        check_state_budget(self.vllm_config, self.get_kv_cache_spec(), available)
+        return available
