@@ -32,6 +32,7 @@ def _spec(**overrides):
         ({"ddtree": {"spine": True}}, "'ddtree'"),
         ({"ddtree": [1]}, "'ddtree'"),
         ({"ddtree": {"force_spine": "yes"}}, "'ddtree.force_spine'"),
+        ({"ddtree": {"adaptive_budget": 1}}, "'ddtree.adaptive_budget'"),
         ({"ddtree": {"max_depth": 0}}, "'ddtree.max_depth'"),
         ({"disable_padded_drafter_batch": True}, "'disable_padded_drafter_batch'"),
         ({"rejection_sample_method": "synthetic"}, "'rejection_sample_method'"),

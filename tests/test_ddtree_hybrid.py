@@ -158,7 +158,7 @@ def test_state_budget_error_names_the_field():
 
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from vllm_ddtree.v1.worker.state_budget import check_state_budget
+    from vllm_ddtree.v1.worker.ddtree_worker_base import check_state_budget
 
     spec = MambaSpec(
         block_size=16,

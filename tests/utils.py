@@ -95,12 +95,16 @@ def metric(llm: LLM, name: str) -> Any:
 
 
 def ddtree_config(drafter: str | Path, budget: int, **options: Any) -> dict[str, Any]:
-    """``speculative_config`` for DDTree; ``options`` go under ``"ddtree"``."""
-    config: dict[str, Any] = {
+    """``speculative_config`` for DDTree; ``options`` go under ``"ddtree"``.
+
+    Adaptive budgets are off unless asked for: they cut trees by measured
+    latency, and most tests want every step to verify the full tree they
+    set up (tests/test_ddtree_adaptive.py covers the adaptive path).
+    """
+    options.setdefault("adaptive_budget", False)
+    return {
         "method": "ddtree",
         "model": str(drafter),
         "num_speculative_tokens": budget,
+        "ddtree": options,
     }
-    if options:
-        config["ddtree"] = options
-    return config

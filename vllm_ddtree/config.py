@@ -38,17 +38,24 @@ class DDTreeConfig:
             positions. Defaults to the drafter's ``block_size - 1``.
         force_spine: always keep the drafter's top-1 chain in the tree, which
             helps at small budgets where a best-first tree may drop it.
+        adaptive_budget: each step, verify only the part of every tree that
+            maximises expected tokens per second under a latency model of
+            the target measured at startup (see ``adaptive_budget.py``);
+            ``budget`` (and a request's own budget) stay the upper bounds.
+            Off: every request verifies its full budget.
     """
 
     budget: int
     max_depth: int
     force_spine: bool = False
+    adaptive_budget: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-_USER_KEYS = {"force_spine", "max_depth"}
+_BOOL_KEYS = ("force_spine", "adaptive_budget")
+_USER_KEYS = {*_BOOL_KEYS, "max_depth"}
 # Chain-speculation options that DDTree replaces: the value a user may leave
 # (vLLM's default) and why any other value cannot be honoured.
 _CHAIN_ONLY_OPTIONS = {
@@ -108,12 +115,13 @@ def parse_user_options(spec: dict[str, Any]) -> dict[str, Any]:
             f"has unknown keys {sorted(unknown)}",
             f"Valid keys are {sorted(_USER_KEYS)}",
         )
-    if "force_spine" in options and not isinstance(options["force_spine"], bool):
-        raise _fail(
-            "ddtree.force_spine",
-            f"must be true or false, got {options['force_spine']!r}",
-            "Use a JSON boolean",
-        )
+    for key in _BOOL_KEYS:
+        if key in options and not isinstance(options[key], bool):
+            raise _fail(
+                f"ddtree.{key}",
+                f"must be true or false, got {options[key]!r}",
+                "Use a JSON boolean",
+            )
     if "max_depth" in options:
         depth = options["max_depth"]
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
@@ -169,6 +177,7 @@ def finalize(speculative_config: Any, options: dict[str, Any]) -> DDTreeConfig:
         budget=speculative_config.num_speculative_tokens,
         max_depth=max_depth,
         force_spine=options.get("force_spine", False),
+        adaptive_budget=options.get("adaptive_budget", True),
     )
     dflash_config[CONFIG_KEY] = cfg.to_dict()
     return cfg

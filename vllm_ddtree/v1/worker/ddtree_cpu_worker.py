@@ -8,10 +8,10 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_ddtree.v1.worker.ddtree_cpu_model_runner import DDTreeCPUModelRunner
 from vllm_ddtree.v1.worker.ddtree_model_runner import patched_attribute
-from vllm_ddtree.v1.worker.state_budget import StateBudgetMixin
+from vllm_ddtree.v1.worker.ddtree_worker_base import DDTreeWorkerMixin
 
 
-class DDTreeCPUWorker(StateBudgetMixin, CPUWorker):
+class DDTreeCPUWorker(DDTreeWorkerMixin, CPUWorker):
     def init_device(self) -> None:
         self.use_v2_model_runner = False
         with patched_attribute(cpu_worker, "CPUModelRunner", DDTreeCPUModelRunner):

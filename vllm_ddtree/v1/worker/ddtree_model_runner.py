@@ -27,6 +27,7 @@ One DDTree step, as it flows through the overridden runner methods:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -48,8 +50,16 @@ from vllm_ddtree.v1.sample.tree_rejection_sampler import (
     TreeRejectionSampler,
     TreeVerifyInput,
 )
+from vllm_ddtree.v1.spec_decode.adaptive_budget import LatencyModel, choose_budgets
 from vllm_ddtree.v1.spec_decode.ddtree_proposer import DDTreeProposer
 from vllm_ddtree.v1.spec_decode.tree import ancestor_mask, path_first_permutation
+
+logger = init_logger(f"vllm.{__name__}")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @contextmanager
@@ -105,6 +115,8 @@ class DDTreeModelRunnerMixin:
         )
         self._trees: dict[str, StoredTree] = {}
         self._plan: VerifyPlan | None = None
+        # Set by measure_verify_latency() once the engine is warmed up.
+        self.verify_latency: LatencyModel | None = None
 
     # -- step 3: positions and tree layout -------------------------------
 
@@ -282,25 +294,67 @@ class DDTreeModelRunnerMixin:
             for req_id in draft.req_ids:
                 self._trees.pop(req_id, None)
             return draft
-        # One device-to-host copy for the three [num_reqs, B] arrays.
+        # One device-to-host copy for the three [num_reqs, B] int arrays.
         tokens, parents, depths = (
             torch.stack([trees.tokens, trees.parents, trees.depths]).cpu().numpy()
         )
+        caps = np.array(
+            [self._request_budget(req_id) for req_id in draft.req_ids], np.int64
+        )
+        if self.ddtree.adaptive_budget and self.verify_latency is not None:
+            budgets = choose_budgets(
+                trees.scores.cpu().numpy(), caps, self.verify_latency
+            )
+        else:
+            budgets = caps
         for row, req_id in enumerate(draft.req_ids):
             self._trees[req_id] = StoredTree(tokens[row], parents[row], depths[row])
             # Nodes come best-first, so the first k of a tree built with
             # budget B are exactly the tree built with budget k.
-            budget = self._request_budget(req_id)
-            if budget is not None:
-                draft.draft_token_ids[row] = draft.draft_token_ids[row][:budget]
+            draft.draft_token_ids[row] = draft.draft_token_ids[row][: budgets[row]]
         return draft
 
-    def _request_budget(self, req_id: str) -> int | None:
-        """The request's ``extra_args["ddtree_budget"]`` (validated upfront)."""
+    def _request_budget(self, req_id: str) -> int:
+        """The request's ``extra_args["ddtree_budget"]`` (validated upfront),
+        else the engine's budget."""
         state = self.requests.get(req_id)
         if state is None or state.sampling_params is None:
-            return None
-        return (state.sampling_params.extra_args or {}).get(BUDGET_ARG)
+            return self.ddtree.budget
+        extra_args = state.sampling_params.extra_args or {}
+        return extra_args.get(BUDGET_ARG, self.ddtree.budget)
+
+    # -- adaptive budgets: the latency model -------------------------------
+
+    @torch.inference_mode()
+    def measure_verify_latency(self, repeats: int = 3) -> LatencyModel:
+        """Time target forwards (vLLM's dummy runs, CUDA graphs included
+        where captured) over a grid of batch token counts, up to what a full
+        batch of full trees schedules. Called by the worker after warm-up."""
+        limit = min(
+            self.scheduler_config.max_num_batched_tokens,
+            self.scheduler_config.max_num_seqs * (1 + self.ddtree.budget),
+        )
+        grid = sorted({min(1 << i, limit) for i in range(limit.bit_length() + 1)})
+        grid = grid if len(grid) > 1 else [1, 2]
+        seconds = []
+        for num_tokens in grid:
+            self._dummy_run(num_tokens)  # warm-up (and any lazy init)
+            _synchronize(self.device)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                self._dummy_run(num_tokens)
+            _synchronize(self.device)
+            seconds.append((time.perf_counter() - start) / repeats)
+        # Timing noise must not make a larger batch look cheaper.
+        seconds = np.maximum.accumulate(np.asarray(seconds))
+        self.verify_latency = LatencyModel(np.asarray(grid), seconds)
+        logger.info(
+            "DDTree verify latency model (tokens: ms): %s",
+            ", ".join(
+                f"{n}: {t * 1e3:.2f}" for n, t in zip(grid, seconds, strict=True)
+            ),
+        )
+        return self.verify_latency
 
 
 class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):

@@ -17,10 +17,10 @@ from vllm_ddtree.v1.worker.ddtree_model_runner import (
     DDTreeGPUModelRunner,
     patched_attribute,
 )
-from vllm_ddtree.v1.worker.state_budget import StateBudgetMixin
+from vllm_ddtree.v1.worker.ddtree_worker_base import DDTreeWorkerMixin
 
 
-class DDTreeGPUWorker(StateBudgetMixin, Worker):
+class DDTreeGPUWorker(DDTreeWorkerMixin, Worker):
     def init_device(self) -> None:
         # DDTree is implemented on the V1 runner (see plugin.py).
         self.use_v2_model_runner = False

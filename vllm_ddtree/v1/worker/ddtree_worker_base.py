@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Startup check that a hybrid target's per-request recurrent states fit.
-
-Shared by the GPU and CPU DDTree workers (see :func:`check_state_budget`).
+"""What the GPU and CPU DDTree workers add to vLLM's: a startup check that a
+hybrid target's per-request recurrent states fit (:func:`check_state_budget`)
+and, once the engine is warm, the latency model behind adaptive budgets.
 """
 
 from __future__ import annotations
@@ -64,10 +64,17 @@ def check_state_budget(
         )
 
 
-class StateBudgetMixin:
-    """Runs :func:`check_state_budget` once the cache memory is known."""
+class DDTreeWorkerMixin:
+    """Mixed in before vLLM's GPU / CPU worker class."""
 
     def determine_available_memory(self) -> int:
         available = super().determine_available_memory()
         check_state_budget(self.vllm_config, self.get_kv_cache_spec(), available)
         return available
+
+    def compile_or_warm_up_model(self):
+        times = super().compile_or_warm_up_model()
+        # After CUDA-graph capture, so the model times what decoding runs.
+        if self.model_runner.ddtree.adaptive_budget:
+            self.model_runner.measure_verify_latency()
+        return times
