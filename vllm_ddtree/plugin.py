@@ -170,15 +170,12 @@ def _configure_engine(engine_args, parallel_config) -> None:
     if current_platform.is_cuda():
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-        chosen = engine_args.attention_backend or getattr(
-            engine_args.attention_config, "backend", None
+        from vllm_ddtree.config import check_attention_backend
+
+        check_attention_backend(
+            engine_args.attention_backend
+            or getattr(engine_args.attention_config, "backend", None)
         )
-        if chosen not in (None, AttentionBackendEnum.CUSTOM, "CUSTOM"):
-            raise ValueError(
-                f"attention_backend={chosen} cannot verify trees; method 'ddtree' "
-                "uses its own FlashAttention-based tree backend. Remove "
-                "--attention-backend."
-            )
         engine_args.attention_backend = AttentionBackendEnum.CUSTOM
 
     worker_cls = _WORKERS[platform]
