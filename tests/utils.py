@@ -160,36 +160,40 @@ class OpenAIServer:
         assert self.proc is not None
         return self.proc.pid
 
-    def __enter__(self) -> OpenAIServer:
-        import requests
-
+    def start(self) -> None:
+        """Launch the server process (returns at once, see wait_ready)."""
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="vllm-ddtree-server-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in __exit__)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
         )
-        deadline = time.monotonic() + self.startup_timeout
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited:\n{self.log_tail()}")
-                try:
-                    if requests.get(f"{self.url}/health", timeout=2).ok:
-                        return self
-                except requests.ConnectionError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start:\n{self.log_tail()}")
-                time.sleep(0.5)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
 
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+    def wait_ready(self) -> None:
+        """Block until ``/health`` answers; raise (quoting the log) if the
+        server exits or does not come up within ``startup_timeout``."""
+        import requests
+
+        assert self.proc is not None
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).ok:
+                    return
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=60)
@@ -197,6 +201,19 @@ class OpenAIServer:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        self.proc = None
+
+    def __enter__(self) -> OpenAIServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def log_tail(self, chars: int = 4000) -> str:
         assert self.log_path is not None
