@@ -122,7 +122,7 @@ def make_plan(rng: random.Random, args: argparse.Namespace, vocab: int) -> Plan:
             expect_400 = True
             tags.append("too-long")
         else:
-            length = rng.randint(1, 48)
+            length = rng.randint(1, min(48, room))
         body["prompt"] = [rng.randrange(10, vocab) for _ in range(length)]
 
     stream = rng.random() < args.stream_fraction
@@ -296,11 +296,19 @@ async def load_phase(
     return outcomes
 
 
-async def replay_greedy(url: str, outcomes: list[Outcome], concurrency: int):
-    """Replay finished greedy requests on ``url``; return the mismatches."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+async def replay_greedy(
+    url: str, outcomes: list[Outcome], args: argparse.Namespace
+) -> tuple[int, list[dict[str, Any]]]:
+    """Replay finished greedy requests on ``url``; return how many, and the
+    mismatches."""
+    client = openai.AsyncOpenAI(
+        base_url=f"{url}/v1",
+        api_key="none",
+        timeout=args.request_timeout,
+        max_retries=0,
+    )
     todo = [o for o in outcomes if o.status == "ok" and o.plan.greedy]
-    semaphore = asyncio.Semaphore(concurrency)
+    semaphore = asyncio.Semaphore(args.concurrency)
     mismatches: list[dict[str, Any]] = []
 
     async def one(outcome: Outcome) -> None:
@@ -318,9 +326,13 @@ async def replay_greedy(url: str, outcomes: list[Outcome], concurrency: int):
             # several, so only text and finish reason are comparable.
             got[2] = want[2] = None
         if ref.status != "ok" or got != want:
+            agree = os.path.commonprefix(
+                [(outcome.texts or [""])[0], (ref.texts or [""])[0]]
+            )
             mismatches.append(
                 {
                     "request": outcome.plan.body,
+                    "same_text_chars": len(agree),
                     "ddtree": got,
                     "reference": want,
                     "reference_status": ref.status,
@@ -387,9 +399,7 @@ async def soak(args: argparse.Namespace, ddtree: OpenAIServer, reference: OpenAI
     finally:
         stop.set()
         await sampler
-    compared, mismatches = await replay_greedy(
-        reference.url, outcomes, args.concurrency
-    )
+    compared, mismatches = await replay_greedy(reference.url, outcomes, args)
     return build_report(
         args, outcomes, elapsed, rss_warm, rss_end, samples, compared, mismatches
     ) | {"engine": engine_acceptance(ddtree.url)}
@@ -546,6 +556,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.drafter = args.drafter or str(paths.dense_drafter)
     if not (args.target and args.drafter):
         p.error("give --target and --drafter, or --fixtures")
+    if not 4 <= args.max_tokens < args.max_model_len - 2:
+        p.error("--max-tokens must be at least 4 and below --max-model-len - 2")
     return args
 
 

@@ -9,17 +9,35 @@ every kind of request, and every check must hold.
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from benchmarks.soak import make_plan, parse_args
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "soak.py"
 
 
+def test_plans_respect_max_model_len_unless_meant_not_to():
+    args = parse_args(["--target", "t", "--drafter", "d", "--max-model-len", "64"])
+    args.long_fraction = args.too_long_fraction = 0.2
+    plans = [make_plan(random.Random(i), args, vocab=300) for i in range(400)]
+    completions = [p for p in plans if p.endpoint == "completions"]
+    for plan in completions:
+        total = len(plan.body["prompt"]) + plan.body["max_tokens"]
+        assert (total > args.max_model_len) == plan.expect_400, plan
+        assert all(10 <= t < 300 for t in plan.body["prompt"])
+    lengths = {len(p.body["prompt"]) + p.body["max_tokens"] for p in completions}
+    assert args.max_model_len in lengths  # some reach the limit exactly
+    kinds = {t for p in plans for t in p.tags}
+    assert {"greedy", "sampled", "n>1", "stop", "stream", "abort"} <= kinds
+    assert all(p.body.get("n", 1) == 1 for p in plans if p.greedy)
+
+
+@pytest.mark.slow
 def test_short_soak(fixtures, tmp_path):
     report_path = tmp_path / "soak.json"
     cmd = [
