@@ -78,10 +78,9 @@ def register() -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    if not getattr(EngineArgs.create_speculative_config, _WRAPPED, False):
-        EngineArgs.create_speculative_config = _wrap_create_speculative_config(
-            EngineArgs.create_speculative_config
-        )
+    _wrap_method(
+        EngineArgs, "create_speculative_config", _wrap_create_speculative_config
+    )
     slots = SpeculativeConfig.max_num_new_slots_for_drafting
     if not getattr(slots.fget, _WRAPPED, False):
         SpeculativeConfig.max_num_new_slots_for_drafting = property(
