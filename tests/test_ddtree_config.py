@@ -3,12 +3,20 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 from vllm import SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.plugins import load_general_plugins
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 from tests.utils import ddtree_config, make_llm, shutdown_llm
 from vllm_ddtree.config import (
     DDTreeConfig,
+    check_attention_backend,
     parse_user_options,
     validate_request,
 )
@@ -74,6 +82,97 @@ def test_good_request_passes():
     validate_request(params, DDTreeConfig(budget=8, max_depth=15))
 
 
+@pytest.mark.parametrize(
+    "chosen", [None, "CUSTOM", AttentionBackendEnum.CUSTOM], ids=str
+)
+def test_tree_capable_attention_backend_passes(chosen):
+    check_attention_backend(chosen)
+
+
+@pytest.mark.parametrize(
+    "chosen",
+    [AttentionBackendEnum.FLASH_ATTN, AttentionBackendEnum.TRITON_ATTN, "FLASHINFER"],
+    ids=str,
+)
+def test_attention_backend_without_trees_is_refused(chosen):
+    name = getattr(chosen, "name", chosen)
+    with pytest.raises(ValueError, match=f"attention_backend={name} cannot verify"):
+        check_attention_backend(chosen)
+
+
+# -- checks that need the models' configs: engine config only, no engine ----
+
+
+def _engine_config(target: Path, drafter: Path, budget: int = 8, **kwargs: Any):
+    load_general_plugins()
+    args = EngineArgs(
+        model=str(target),
+        max_model_len=256,
+        enforce_eager=True,
+        speculative_config=ddtree_config(drafter, budget),
+        **kwargs,
+    )
+    return args.create_engine_config()
+
+
+def _drafter_variant(fixtures, tmp_path: Path, **changes: Any) -> Path:
+    """A copy of the fixture drafter with ``changes`` in its config.json
+    (``dflash_config`` keys are merged); weights are linked, not copied."""
+    src = Path(fixtures.dense_drafter)
+    dst = tmp_path / "drafter"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (dst / f.name).symlink_to(f)
+    config = json.loads((src / "config.json").read_text())
+    config["dflash_config"].update(changes.pop("dflash_config", {}))
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_matching_pair_passes(fixtures):
+    config = _engine_config(fixtures.dense_target, fixtures.dense_drafter)
+    assert config.speculative_config.num_speculative_tokens == 8
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"hidden_size": 256}, "hidden size 256 but the target"),
+        ({"vocab_size": 512}, "vocab size 512 but the target"),
+        ({"dflash_config": {"target_layer_ids": [1, 4]}}, r"layers 0\.\.3"),
+        ({"dflash_config": {"target_layer_ids": [-1]}}, "target_layer_ids"),
+        ({"dflash_config": {"target_layer_ids": []}}, "target_layer_ids"),
+        ({"architectures": ["Qwen3ForCausalLM"]}, "not a DFlash drafter"),
+    ],
+)
+def test_drafter_that_does_not_fit_the_target(fixtures, tmp_path, changes, message):
+    drafter = _drafter_variant(fixtures, tmp_path, **changes)
+    with pytest.raises(ValueError, match=message) as info:
+        _engine_config(fixtures.dense_target, drafter)
+    assert "speculative_config['model']" in str(info.value)
+
+
+def test_drafter_must_be_dflash(fixtures):
+    with pytest.raises(ValueError, match="not a DFlash drafter"):
+        _engine_config(fixtures.dense_target, fixtures.dense_target)
+
+
+def test_budget_beyond_one_requests_kv_is_refused(fixtures):
+    # max_model_len 256: context >= 1 token + root + B nodes must fit.
+    _engine_config(fixtures.dense_target, fixtures.dense_drafter, budget=254)
+    with pytest.raises(ValueError, match="'num_speculative_tokens'.*at most 254"):
+        _engine_config(fixtures.dense_target, fixtures.dense_drafter, budget=255)
+
+
+def test_async_scheduling_is_refused(fixtures):
+    with pytest.raises(ValueError, match="async_scheduling"):
+        _engine_config(
+            fixtures.dense_target, fixtures.dense_drafter, async_scheduling=True
+        )
+
+
 def _llm(fixtures, target, drafter, **kwargs):
     return make_llm(
         target,
@@ -81,23 +180,6 @@ def _llm(fixtures, target, drafter, **kwargs):
         speculative_config=ddtree_config(drafter, 4),
         **kwargs,
     )
-
-
-@pytest.mark.slow
-def test_drafter_must_be_dflash(fixtures):
-    with pytest.raises(ValueError, match="not a DFlash drafter"):
-        _llm(fixtures, fixtures.dense_target, fixtures.dense_target)
-
-
-@pytest.mark.slow
-def test_async_scheduling_is_refused(fixtures):
-    with pytest.raises(ValueError, match="async_scheduling"):
-        _llm(
-            fixtures,
-            fixtures.dense_target,
-            fixtures.dense_drafter,
-            async_scheduling=True,
-        )
 
 
 @pytest.mark.slow

