@@ -1,8 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Generate with DDTree and print the text and the acceptance statistics.
 
-    python -m vllm_ddtree.demo                       # bundled tiny models (CPU)
+    python -m vllm_ddtree.demo                       # bundled trained tiny pair (CPU)
+    python -m vllm_ddtree.demo --random-fixtures     # random-weight test fixtures
     python -m vllm_ddtree.demo --model M --drafter D --budget 64   # your own
+
+The bundled pair is a small Python-code LM and a DFlash drafter distilled from
+it (``vllm_ddtree/assets/trained-tiny``, see docs/benchmarks.md), so its
+acceptance statistics are real; the default prompts are code.
 
 With ``--compare`` it also runs the same prompts without speculation and
 reports whether the greedy outputs are identical and the speed ratio.
@@ -16,10 +21,10 @@ import time
 from dataclasses import dataclass
 
 DEFAULT_PROMPTS = [
-    "The history of the city begins",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The main idea of speculative decoding is",
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    for i, line in enumerate(lines):\n        if ",
 ]
 
 
@@ -89,8 +94,13 @@ def _spec_counters(llm) -> dict[str, int]:
 
 def _parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="target model (default: bundled fixture)")
+    parser.add_argument("--model", help="target model (default: bundled pair)")
     parser.add_argument("--drafter", help="DFlash drafter (default: bundled)")
+    parser.add_argument(
+        "--random-fixtures",
+        action="store_true",
+        help="use the random-weight test fixtures instead of the trained pair",
+    )
     parser.add_argument("--budget", type=int, default=32, help="tree budget B")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -117,11 +127,16 @@ def main(argv=None) -> None:
         args.gpu_memory_utilization = 0.25 if current_platform.is_cpu() else 0.9
     if (args.model is None) != (args.drafter is None):
         raise SystemExit("--model and --drafter go together")
-    if args.model is None:
+    if args.model is None and args.random_fixtures:
         from vllm_ddtree.fixtures import fixture_paths
 
         paths = fixture_paths()
         args.model, args.drafter = str(paths.dense_target), str(paths.dense_drafter)
+    elif args.model is None:
+        from vllm_ddtree.fixtures import trained_pair
+
+        pair = trained_pair()
+        args.model, args.drafter = str(pair.target), str(pair.drafter)
     prompts = args.prompt or DEFAULT_PROMPTS
 
     spec = {

@@ -66,7 +66,7 @@ import os
 import shutil
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +168,33 @@ class FixturePaths:
     tokenizer: Path
 
 
+@dataclass(frozen=True)
+class TrainedPair:
+    """A trained target + DFlash drafter (``vllm_ddtree.training``)."""
+
+    root: Path
+    target: Path
+    drafter: Path
+    prompts: Path  # jsonl: {"prompt_token_ids": [...], "text": ...} per line
+
+    def load_prompts(self) -> list[list[int]]:
+        with open(self.prompts) as fh:
+            return [json.loads(line)["prompt_token_ids"] for line in fh]
+
+
+# Committed pair with real acceptance (``--preset tiny``, about 7 MB).
+TRAINED_TINY_DIR = Path(__file__).resolve().parent / "assets" / "trained-tiny"
+
+
+def trained_pair(root: Path | str = TRAINED_TINY_DIR) -> TrainedPair:
+    """The pair written by ``python -m vllm_ddtree.training.train_pair``."""
+    root = Path(root)
+    pair = TrainedPair(root, root / "target", root / "dflash", root / "prompts.jsonl")
+    if not (pair.target / "config.json").is_file():
+        raise FileNotFoundError(f"no trained pair under {root}")
+    return pair
+
+
 def default_fixture_dir() -> Path:
     env = os.environ.get(_ENV_DIR)
     if env:
@@ -241,29 +268,40 @@ def fixture_paths(root: Path | str | None = None, force: bool = False) -> Fixtur
 # ----------------------------------------------------------------------------
 
 
-def build_tokenizer():
-    """Train a tiny byte-level BPE tokenizer on the built-in corpus."""
+def build_tokenizer(
+    lines: Iterable[str] | None = None,
+    vocab_size: int = TOKENIZER_VOCAB,
+    max_length: int = MAX_POS,
+):
+    """Train a byte-level BPE tokenizer (default: the tiny built-in corpus).
+
+    ``lines`` must be a deterministic iterable for the result to be
+    reproducible; the trainer itself is deterministic.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    if lines is None:
+        lines = _CORPUS.splitlines(keepends=True)
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
+        vocab_size=vocab_size,
         min_frequency=2,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator(lines, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         mask_token=MASK_TOKEN,
         chat_template=_CHAT_TEMPLATE,
-        model_max_length=MAX_POS,
+        model_max_length=max_length,
         clean_up_tokenization_spaces=False,
     )
 
@@ -620,7 +658,9 @@ def drafter_config(tok, vocab: int, mask_id: int):
 # ----------------------------------------------------------------------------
 
 
-def _save_model(out: Path, config, weights: dict[str, torch.Tensor], tok) -> None:
+def save_model(out: Path, config, weights: dict[str, torch.Tensor], tok) -> None:
+    """Write ``config``, ``weights`` (as bf16 safetensors) and ``tok`` into
+    the new directory ``out``: the layout vLLM and transformers load."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True)
@@ -654,9 +694,9 @@ def build_fixtures(out: Path | str) -> FixturePaths:
         else:
             cfg = hybrid_target_config(tok, vocab)
             weights = hybrid_target_weights(shared)
-        _save_model(target_dir, cfg, weights, tok)
+        save_model(target_dir, cfg, weights, tok)
         dcfg = drafter_config(tok, vocab, mask_id)
-        _save_model(draft_dir, dcfg, drafter_weights(shared, tag), tok)
+        save_model(draft_dir, dcfg, drafter_weights(shared, tag), tok)
     (out / "README.json").write_text(
         json.dumps(
             {

@@ -1,0 +1,492 @@
+# SPDX-License-Identifier: Apache-2.0
+"""End-to-end benchmark: no speculation vs. stock DFlash vs. DDTree(B).
+
+Every engine runs in its own process (vLLM does not reliably free device
+memory inside one process) with the *same* engine settings; only
+``speculative_config`` differs.  One engine per (method, budget) serves every
+batch size and temperature: for batch size ``b`` it runs waves of ``b``
+concurrent requests (``max_num_seqs`` is the largest batch size).  Reported
+per (method, budget, batch, temperature):
+
+* output tok/s (all generated tokens / wall time of the waves);
+* mean acceptance length tau = 1 + accepted / drafts (vLLM's spec-decode
+  counters), and the acceptance-length histogram (from the per-position
+  accepted counters);
+* per-step time = wall time / engine iterations (``vllm:iteration_tokens_total``
+  observations, prefill steps included);
+* ratios DDTree/DFlash and DDTree/no-spec tok/s at the same batch and T.
+
+Results accumulate in ``OUT/rows/*.json`` (one file per engine), so a sweep can
+be split over several time-limited calls; each call rewrites
+``OUT/results.json``, ``OUT/table.md`` and, if matplotlib is installed, the
+plots ``OUT/speedup_vs_budget.png`` and ``OUT/acceptance_hist.png``.
+
+Trained pair (default: the committed tiny pair; prompts from held-out files)::
+
+    python benchmarks/bench_e2e.py --out /tmp/e2e --methods nospec,dflash,ddtree \
+        --budgets 8,32 --batch-sizes 1,4 --temperatures 0,1 --max-tokens 64
+
+Real-scale step cost with dummy weights (token-id prompts, no tokenizer)::
+
+    python benchmarks/bench_e2e.py --out /tmp/e2e-8b \
+        --target benchmarks/configs/qwen3-8b \
+        --drafter benchmarks/configs/qwen3-8b-dflash --load-format dummy \
+        --budgets 16,64,256 --batch-sizes 1,16 --temperatures 0
+
+``--report-only`` rebuilds the table and plots from ``OUT/rows``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+METHODS = ("nospec", "dflash", "ddtree")
+DFLASH_DRAFTS = 15  # stock DFlash drafts block_size - 1 tokens
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+# ----------------------------------------------------------------------------
+# Worker: one engine, all batch sizes and temperatures
+# ----------------------------------------------------------------------------
+
+
+def _speculative_config(job: dict) -> dict | None:
+    if job["method"] == "nospec":
+        return None
+    return {
+        "method": job["method"],
+        "model": job["drafter"],
+        "num_speculative_tokens": job["budget"],
+    }
+
+
+def _counters(llm) -> dict[str, Any]:
+    snap: dict[str, Any] = {"drafts": 0, "accepted": 0, "steps": 0, "per_pos": []}
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            snap["drafts"] += m.value
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            snap["accepted"] += m.value
+        elif m.name == "vllm:iteration_tokens_total":
+            snap["steps"] += m.count
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            snap["per_pos"] = list(m.values)
+    return snap
+
+
+def acceptance_histogram(per_pos: list[int], drafts: int) -> list[int]:
+    """Rounds that accepted exactly ``k`` drafts, ``k = 0..len(per_pos)``.
+
+    ``per_pos[i]`` counts rounds whose accepted length exceeds ``i``, so the
+    rounds of length exactly ``k`` are ``per_pos[k-1] - per_pos[k]``.
+    """
+    at_least = [drafts, *per_pos, 0]
+    return [at_least[k] - at_least[k + 1] for k in range(len(per_pos) + 1)]
+
+
+def _trim_histogram(hist: list[int]) -> list[int]:
+    last = max((i for i, n in enumerate(hist) if n), default=0)
+    return hist[: last + 1]
+
+
+def _prompts(job: dict) -> list[list[int]]:
+    if job.get("prompts_file"):
+        with open(job["prompts_file"]) as fh:
+            prompts = [json.loads(line)["prompt_token_ids"] for line in fh]
+        return [p[-job["prompt_len"] :] for p in prompts]
+    vocab = json.loads((Path(job["target"]) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    return [
+        [rng.randrange(vocab) for _ in range(job["prompt_len"])] for _ in range(256)
+    ]
+
+
+def run_worker(job: dict) -> list[dict]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = dict(job["engine"])
+    llm = LLM(
+        model=job["target"],
+        speculative_config=_speculative_config(job),
+        max_num_seqs=max(job["batch_sizes"]),
+        **engine,
+    )
+    pool = _prompts(job)
+
+    def wave(first: int, batch: int, temperature: float, max_tokens: int) -> int:
+        """Run requests ``first .. first + batch - 1`` together; tokens out."""
+        ks = range(first, first + batch)
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=pool[k % len(pool)]) for k in ks],
+            [
+                SamplingParams(
+                    temperature=temperature,
+                    max_tokens=max_tokens,
+                    ignore_eos=True,
+                    seed=k if temperature > 0 else None,
+                )
+                for k in ks
+            ],
+            use_tqdm=False,
+        )
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    rows = []
+    for temperature in job["temperatures"]:
+        for batch in job["batch_sizes"]:
+            # Warm-up at this shape and sampling mode (lazy compiles, graphs).
+            wave(0, batch, temperature, 4)
+            waves = max(1, math.ceil(job["min_requests"] / batch))
+            before = _counters(llm)
+            start = time.perf_counter()
+            tokens = sum(
+                wave(w * batch, batch, temperature, job["max_tokens"])
+                for w in range(waves)
+            )
+            seconds = time.perf_counter() - start
+            after = _counters(llm)
+            drafts = after["drafts"] - before["drafts"]
+            accepted = after["accepted"] - before["accepted"]
+            steps = after["steps"] - before["steps"]
+            per_pos = [
+                a - b
+                for a, b in zip(
+                    after["per_pos"],
+                    before["per_pos"] or [0] * len(after["per_pos"]),
+                    strict=True,
+                )
+            ]
+            rows.append(
+                {
+                    "method": job["method"],
+                    "budget": job["budget"],
+                    "batch": batch,
+                    "temperature": temperature,
+                    "requests": waves * batch,
+                    "tokens": tokens,
+                    "seconds": seconds,
+                    "tok_s": tokens / seconds,
+                    "steps": steps,
+                    "step_ms": 1e3 * seconds / steps if steps else float("nan"),
+                    "drafts": drafts,
+                    "accepted": accepted,
+                    "tau": 1.0 + accepted / drafts if drafts else 1.0,
+                    "accept_hist": _trim_histogram(
+                        acceptance_histogram(per_pos, drafts)
+                    )
+                    if drafts
+                    else [],
+                }
+            )
+            r = rows[-1]
+            print(
+                f"[bench_e2e] {r['method']} B={r['budget']} batch={batch} "
+                f"T={temperature}: {r['tok_s']:.1f} tok/s tau={r['tau']:.2f} "
+                f"step={r['step_ms']:.2f} ms",
+                flush=True,
+            )
+    llm.llm_engine.engine_core.shutdown()
+    return rows
+
+
+# ----------------------------------------------------------------------------
+# Report: table, ratios, plots
+# ----------------------------------------------------------------------------
+
+
+def _key(r: dict) -> tuple:
+    return (r["batch"], r["temperature"])
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Attach ``vs_dflash`` / ``vs_nospec`` tok/s ratios to every row (the
+    baselines at the same batch size and temperature)."""
+    base: dict[str, dict[tuple, float]] = {"nospec": {}, "dflash": {}}
+    for r in rows:
+        if r["method"] in base:
+            base[r["method"]][_key(r)] = r["tok_s"]
+    for r in rows:
+        for name in ("dflash", "nospec"):
+            ref = base[name].get(_key(r))
+            r[f"vs_{name}"] = r["tok_s"] / ref if ref else None
+    return rows
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    if x is None or math.isnan(x):
+        return "-"
+    return format(x, spec)
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| batch | T | method | B | tok/s | tau | step ms | vs DFlash | vs no-spec |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    order = {m: i for i, m in enumerate(METHODS)}
+    for r in sorted(
+        rows, key=lambda r: (*_key(r), order[r["method"]], r["budget"] or 0)
+    ):
+        budget = r["budget"] if r["method"] == "ddtree" else "-"
+        tau = r["tau"] if r["method"] != "nospec" else None
+        lines.append(
+            f"| {r['batch']} | {r['temperature']:g} | {r['method']} | {budget} "
+            f"| {r['tok_s']:.1f} | {_fmt(tau, '.2f')} | {r['step_ms']:.2f} "
+            f"| {_fmt(r['vs_dflash'], '.2f')} | {_fmt(r['vs_nospec'], '.2f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[bench_e2e] matplotlib not installed: no plots", flush=True)
+        return []
+    written = []
+    for temperature in sorted({r["temperature"] for r in rows}):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        sel = [r for r in rows if r["temperature"] == temperature]
+        for batch in sorted({r["batch"] for r in sel}):
+            tree = sorted(
+                (r for r in sel if r["batch"] == batch and r["method"] == "ddtree"),
+                key=lambda r: r["budget"],
+            )
+            if tree and tree[0]["vs_nospec"]:
+                line = ax.plot(
+                    [r["budget"] for r in tree],
+                    [r["vs_nospec"] for r in tree],
+                    marker="o",
+                    label=f"DDTree, batch {batch}",
+                )[0]
+                flash = [
+                    r
+                    for r in sel
+                    if r["batch"] == batch
+                    and r["method"] == "dflash"
+                    and r["vs_nospec"]
+                ]
+                if flash:
+                    ax.axhline(
+                        flash[0]["vs_nospec"],
+                        ls="--",
+                        color=line.get_color(),
+                        label=f"DFlash, batch {batch}",
+                    )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree budget B")
+        ax.set_ylabel("speedup over no-spec (tok/s)")
+        ax.set_title(f"T = {temperature:g}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        path = out / f"speedup_vs_budget_T{temperature:g}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+
+    hist_rows = [r for r in rows if r["accept_hist"]]
+    if hist_rows:
+        ref = min(hist_rows, key=lambda r: (r["batch"], r["temperature"]))
+        sel = [r for r in hist_rows if _key(r) == _key(ref)]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        width = 0.8 / len(sel)
+        for i, r in enumerate(sorted(sel, key=lambda r: (r["method"], r["budget"]))):
+            total = sum(r["accept_hist"])
+            name = "DFlash" if r["method"] == "dflash" else f"DDTree B={r['budget']}"
+            ax.bar(
+                [k + 1 + i * width for k in range(len(r["accept_hist"]))],
+                [n / total for n in r["accept_hist"]],
+                width=width,
+                label=f"{name} (tau {r['tau']:.2f})",
+            )
+        ax.set_xlabel("acceptance length (accepted drafts + bonus)")
+        ax.set_ylabel("fraction of rounds")
+        ax.set_title(f"batch {ref['batch']}, T = {ref['temperature']:g}")
+        ax.legend(fontsize=7)
+        path = out / "acceptance_hist.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def report(out: Path) -> list[dict]:
+    rows: list[dict] = []
+    meta: dict = {}
+    for path in sorted((out / "rows").glob("*.json")):
+        data = json.loads(path.read_text())
+        rows.extend(data["rows"])
+        meta = {k: v for k, v in data.items() if k != "rows"}
+    rows = add_ratios(rows)
+    (out / "results.json").write_text(
+        json.dumps({"settings": meta, "rows": rows}, indent=2) + "\n"
+    )
+    text = table(rows)
+    (out / "table.md").write_text(text)
+    print(text, flush=True)
+    for path in plots(rows, out):
+        print(f"[bench_e2e] wrote {path}", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------
+
+
+def _jobs(args) -> list[dict]:
+    jobs = []
+    for method in args.methods:
+        budgets = args.budgets if method == "ddtree" else [DFLASH_DRAFTS]
+        for budget in budgets:
+            jobs.append(
+                {"method": method, "budget": None if method == "nospec" else budget}
+            )
+    return jobs
+
+
+def _engine_settings(args) -> dict:
+    """Identical for every method; only ``speculative_config`` differs."""
+    on_gpu = _on_gpu()
+    widest = max([*args.budgets, DFLASH_DRAFTS]) + 1
+    settings = {
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": max(
+            args.max_model_len, max(args.batch_sizes) * widest
+        ),
+        "enforce_eager": args.enforce_eager or not on_gpu,
+        "gpu_memory_utilization": args.gpu_memory_utilization
+        or (0.85 if on_gpu else 0.3),
+        "seed": 0,
+        "disable_log_stats": False,
+        # DDTree needs synchronous scheduling; keep it the same for everyone.
+        "async_scheduling": False,
+        "load_format": args.load_format,
+    }
+    if args.load_format == "dummy":
+        settings["skip_tokenizer_init"] = True
+    return settings
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--pair", type=Path, help="trained pair dir (default: tiny)")
+    ap.add_argument("--target", help="target model dir (overrides --pair)")
+    ap.add_argument("--drafter", help="DFlash drafter dir (overrides --pair)")
+    ap.add_argument("--methods", default="nospec,dflash,ddtree")
+    ap.add_argument("--budgets", type=_ints, default=_ints("8,16,32,64,128,256"))
+    ap.add_argument("--batch-sizes", type=_ints, default=_ints("1,4,16,64"))
+    ap.add_argument("--temperatures", type=_floats, default=_floats("0,1"))
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument(
+        "--min-requests", type=int, default=16, help="requests per (batch, T)"
+    )
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--gpu-memory-utilization", type=float)
+    ap.add_argument("--enforce-eager", action="store_true", help="(always on CPU)")
+    ap.add_argument("--job-timeout", type=int, default=540, help="seconds/engine")
+    ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.worker:
+        job = json.loads(Path(args.worker).read_text())
+        rows = run_worker(job)
+        Path(job["result"]).write_text(json.dumps({**job, "rows": rows}, indent=2))
+        return
+    if args.report_only:
+        report(args.out)
+        return
+
+    args.methods = [m for m in args.methods.split(",") if m]
+    unknown = set(args.methods) - set(METHODS)
+    if unknown:
+        ap.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+    prompts_file = None
+    if args.load_format != "dummy":
+        from vllm_ddtree.fixtures import TRAINED_TINY_DIR, trained_pair
+
+        pair = trained_pair(args.pair or TRAINED_TINY_DIR)
+        args.target = args.target or str(pair.target)
+        args.drafter = args.drafter or str(pair.drafter)
+        prompts_file = str(pair.prompts)
+    elif not (args.target and args.drafter):
+        ap.error("--load-format dummy needs --target and --drafter config dirs")
+
+    rows_dir = args.out / "rows"
+    rows_dir.mkdir(parents=True, exist_ok=True)
+    engine = _engine_settings(args)
+    for job in _jobs(args):
+        tag = f"{job['method']}" + (f"-B{job['budget']}" if job["budget"] else "")
+        job.update(
+            target=args.target,
+            drafter=args.drafter,
+            prompts_file=prompts_file,
+            prompt_len=args.prompt_len,
+            batch_sizes=args.batch_sizes,
+            temperatures=args.temperatures,
+            max_tokens=args.max_tokens,
+            min_requests=args.min_requests,
+            engine=engine,
+            result=str(rows_dir / f"{tag}.json"),
+        )
+        spec_path = rows_dir / f".{tag}.job"
+        spec_path.write_text(json.dumps(job))
+        print(f"[bench_e2e] engine {tag}", flush=True)
+        try:
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--out",
+                    str(args.out),
+                    "--worker",
+                    str(spec_path),
+                ],
+                timeout=args.job_timeout,
+            )
+            if proc.returncode:
+                print(f"[bench_e2e] {tag} failed (rc {proc.returncode})", flush=True)
+        except subprocess.TimeoutExpired:
+            print(f"[bench_e2e] {tag} timed out", flush=True)
+        spec_path.unlink()
+    report(args.out)
+
+
+if __name__ == "__main__":
+    main()
