@@ -43,6 +43,7 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -71,11 +72,14 @@ def _floats(s: str) -> list[float]:
 def _speculative_config(job: dict) -> dict | None:
     if job["method"] == "nospec":
         return None
-    return {
+    config = {
         "method": job["method"],
         "model": job["drafter"],
         "num_speculative_tokens": job["budget"],
     }
+    if job["method"] == "ddtree":
+        config["ddtree"] = {"adaptive_budget": not job["fixed_budget"]}
+    return config
 
 
 def _counters(llm) -> dict[str, Any]:
@@ -179,6 +183,8 @@ def run_worker(job: dict) -> list[dict]:
                 {
                     "method": job["method"],
                     "budget": job["budget"],
+                    "adaptive_budget": job["method"] == "ddtree"
+                    and not job["fixed_budget"],
                     "batch": batch,
                     "temperature": temperature,
                     "requests": waves * batch,
@@ -247,6 +253,8 @@ def table(rows: list[dict]) -> str:
         rows, key=lambda r: (*_key(r), order[r["method"]], r["budget"] or 0)
     ):
         budget = r["budget"] if r["method"] == "ddtree" else "-"
+        if r["method"] == "ddtree" and not r.get("adaptive_budget", True):
+            budget = f"{budget} fixed"
         tau = r["tau"] if r["method"] != "nospec" else None
         lines.append(
             f"| {r['batch']} | {r['temperature']:g} | {r['method']} | {budget} "
@@ -420,6 +428,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpu-memory-utilization", type=float)
     ap.add_argument("--enforce-eager", action="store_true", help="(always on CPU)")
     ap.add_argument("--job-timeout", type=int, default=540, help="seconds/engine")
+    ap.add_argument(
+        "--fixed-budget",
+        action="store_true",
+        help="ddtree: verify every tree's full budget (adaptive budgets off)",
+    )
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -453,6 +466,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = _engine_settings(args)
     for job in _jobs(args):
         tag = f"{job['method']}" + (f"-B{job['budget']}" if job["budget"] else "")
+        if job["method"] == "ddtree" and args.fixed_budget:
+            tag += "-fixed"
         job.update(
             target=args.target,
             drafter=args.drafter,
@@ -463,26 +478,24 @@ def main(argv: list[str] | None = None) -> None:
             max_tokens=args.max_tokens,
             min_requests=args.min_requests,
             engine=engine,
+            fixed_budget=args.fixed_budget,
             result=str(rows_dir / f"{tag}.json"),
         )
         spec_path = rows_dir / f".{tag}.job"
         spec_path.write_text(json.dumps(job))
         print(f"[bench_e2e] engine {tag}", flush=True)
+        # Own session: on a timeout the whole group goes, the engine-core
+        # process (which holds the GPU memory) included.
+        worker = [sys.executable, __file__, "--out", str(args.out)]
+        proc = subprocess.Popen(
+            [*worker, "--worker", str(spec_path)], start_new_session=True
+        )
         try:
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--out",
-                    str(args.out),
-                    "--worker",
-                    str(spec_path),
-                ],
-                timeout=args.job_timeout,
-            )
-            if proc.returncode:
+            if proc.wait(timeout=args.job_timeout):
                 print(f"[bench_e2e] {tag} failed (rc {proc.returncode})", flush=True)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             print(f"[bench_e2e] {tag} timed out", flush=True)
         spec_path.unlink()
     report(args.out)
