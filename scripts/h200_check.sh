@@ -3,7 +3,11 @@
 #
 # On the device machine, after staging vLLM there (../shared/device/README.md):
 #   bash scripts/h200_check.sh tests   # kernels + engines (~6 min)
-#   bash scripts/h200_check.sh bench   # benchmarks (~8 min)
+#   bash scripts/h200_check.sh bench   # kernel benchmarks + dummy Qwen3-8B step cost (~9 min)
+#   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
+#   bash scripts/h200_check.sh e2e     # no-spec / dflash / ddtree on that pair (~9 min)
+# (train and e2e must run back to back: /tmp survives only while the machine
+# stays warm.)
 # Every engine runs in a process of its own (in-process engines neither free
 # GPU memory nor reset vLLM's CUDA-graph state). Full logs are packed into
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
@@ -49,8 +53,30 @@ tests)
 bench)
   step tree-attention 300 python3 benchmarks/bench_tree_attention.py \
     --out "$out/tree_attention.json"
-  step hybrid-verify 150 python3 benchmarks/bench_hybrid_verify.py \
+  step hybrid-verify 120 python3 benchmarks/bench_hybrid_verify.py \
     --out "$out/hybrid_verify.json"
+  step e2e-8b 330 python3 benchmarks/bench_e2e.py --out /tmp/e2e-8b \
+    --target benchmarks/configs/qwen3-8b --drafter benchmarks/configs/qwen3-8b-dflash \
+    --load-format dummy --methods nospec,dflash,ddtree --budgets 16,64 \
+    --batch-sizes 1,16 --temperatures 0 --prompt-len 1024 --max-tokens 64 \
+    --job-timeout 150
+  cp /tmp/e2e-8b/results.json "$out/e2e-8b.json"
+  cp /tmp/e2e-8b/table.md "$out/e2e-8b.md"
+  ;;
+train)
+  step train 560 python3 -m vllm_ddtree.training.train_pair --preset h200 \
+    --max-minutes 8 --out /tmp/pair-h200
+  cp /tmp/pair-h200/training.json "$out/"
+  ;;
+e2e)
+  step e2e-pair 420 python3 benchmarks/bench_e2e.py --pair /tmp/pair-h200 \
+    --out /tmp/e2e-h200 --budgets 16,64,256 --batch-sizes 1,16,64 \
+    --temperatures 0,1 --job-timeout 140
+  step parity 120 python3 benchmarks/reference_ddtree.py --pair /tmp/pair-h200 \
+    --parity --budget 32 --num-prompts 16 --max-tokens 128 --out "$out/parity-h200.json"
+  cp /tmp/e2e-h200/results.json "$out/e2e-h200.json"
+  cp /tmp/e2e-h200/table.md "$out/e2e-h200.md"
+  cp /tmp/e2e-h200/*.png "$out/" 2>/dev/null
   ;;
 *)
   echo "unknown mode $mode" >&2
