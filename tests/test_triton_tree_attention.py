@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 import zlib
 from dataclasses import dataclass, field
@@ -348,27 +346,9 @@ def _worker() -> None:
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    results: dict[str, dict] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("SKIP "):
-            pytest.skip(json.loads(line[5:]))
-        if line.startswith("CASE "):
-            rec = json.loads(line[5:])
-            results[rec["name"]] = rec
-    if proc.returncode != 0 and not results:
-        pytest.fail(f"interpreter worker failed:\n{proc.stderr[-4000:]}")
-    results["__stderr__"] = {"text": proc.stderr[-4000:]}
-    return results
+    from tests.utils import run_interpreter_worker
+
+    return run_interpreter_worker(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(CASES))

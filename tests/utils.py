@@ -222,3 +222,36 @@ class OpenAIServer:
     def log_tail(self, chars: int = 4000) -> str:
         assert self.log_path is not None
         return self.log_path.read_text(errors="replace")[-chars:]
+
+
+def run_interpreter_worker(test_file: str, timeout: float) -> dict[str, dict]:
+    """Run ``test_file --worker`` under ``TRITON_INTERPRET=1`` in a fresh
+    process (the interpreter must be on before Triton is imported) and
+    collect its ``CASE {json}`` lines by name; ``SKIP {json}`` skips."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(test_file), "--worker"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    results: dict[str, dict] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("SKIP "):
+            pytest.skip(json.loads(line[5:]))
+        if line.startswith("CASE "):
+            rec = json.loads(line[5:])
+            results[rec["name"]] = rec
+    if proc.returncode != 0 and not results:
+        pytest.fail(f"interpreter worker failed:\n{proc.stderr[-4000:]}")
+    results["__stderr__"] = {"text": proc.stderr[-4000:]}
+    return results
