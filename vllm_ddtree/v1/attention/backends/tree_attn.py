@@ -131,30 +131,33 @@ class TreeAttentionImplMixin:
         output_scale=None,
         output_block_scale=None,
     ):
-        stock = functools.partial(
-            super().forward,
-            layer,
-            query,
-            key,
-            value,
-            kv_cache,
-            attn_metadata,
-            output,
-            output_scale=output_scale,
-            output_block_scale=output_block_scale,
-        )
         tree: TreeAttentionInfo | None = getattr(attn_metadata, "tree", None)
-        if tree is None or self.attn_type != AttentionType.DECODER:
-            return stock()
-        if self.alibi_slopes is not None or self.logits_soft_cap:
-            raise NotImplementedError(
-                "tree attention supports plain causal attention only "
-                "(no ALiBi or soft-cap)"
+        if self.attn_type != AttentionType.DECODER:
+            tree = None
+        if tree is not None:
+            if self.alibi_slopes is not None or self.logits_soft_cap:
+                raise NotImplementedError(
+                    "tree attention supports plain causal attention only "
+                    "(no ALiBi or soft-cap)"
+                )
+            if output_scale is not None or output_block_scale is not None:
+                raise NotImplementedError(
+                    "tree attention has no fused output quantization"
+                )
+        if tree is None or not tree.covers_batch:
+            result = super().forward(
+                layer,
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                output,
+                output_scale=output_scale,
+                output_block_scale=output_block_scale,
             )
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("tree attention has no fused output quantization")
-        if not tree.covers_batch:
-            stock()
+            if tree is None:
+                return result
         self._tree_forward(query, key, value, kv_cache, attn_metadata, tree, output)
         return output
 
