@@ -3,7 +3,8 @@
 #
 # On the device machine, after staging vLLM there (../shared/device/README.md):
 #   bash scripts/h200_check.sh tests   # kernels + engines (~6 min)
-#   bash scripts/h200_check.sh bench   # kernel benchmarks + dummy Qwen3-8B step cost (~9 min)
+#   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
+#   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
 #   bash scripts/h200_check.sh e2e     # no-spec / dflash / ddtree on that pair (~9 min)
 # (train and e2e must run back to back: /tmp survives only while the machine
@@ -13,7 +14,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|bench}
+mode=${1:?usage: h200_check.sh tests|kernels|e2e-8b|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -50,16 +51,18 @@ tests)
   done
   step hybrid-engine 300 python3 -m pytest -q -rA tests/gpu/test_ddtree_hybrid_gpu.py
   ;;
-bench)
+kernels)
   step tree-attention 300 python3 benchmarks/bench_tree_attention.py \
     --out "$out/tree_attention.json"
   step hybrid-verify 120 python3 benchmarks/bench_hybrid_verify.py \
     --out "$out/hybrid_verify.json"
-  step e2e-8b 330 python3 benchmarks/bench_e2e.py --out /tmp/e2e-8b \
+  ;;
+e2e-8b)
+  step e2e-8b 560 python3 benchmarks/bench_e2e.py --out /tmp/e2e-8b \
     --target benchmarks/configs/qwen3-8b --drafter benchmarks/configs/qwen3-8b-dflash \
-    --load-format dummy --methods nospec,dflash,ddtree --budgets 16,64 \
+    --load-format dummy --methods nospec,dflash,ddtree --budgets 64 --fixed-budget \
     --batch-sizes 1,16 --temperatures 0 --prompt-len 1024 --max-tokens 64 \
-    --job-timeout 150
+    --job-timeout 200
   cp /tmp/e2e-8b/results.json "$out/e2e-8b.json"
   cp /tmp/e2e-8b/table.md "$out/e2e-8b.md"
   ;;
