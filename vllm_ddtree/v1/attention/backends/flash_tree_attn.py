@@ -32,11 +32,24 @@ from vllm_ddtree.v1.attention.backends.tree_attn import (
 )
 from vllm_ddtree.v1.attention.ops.triton_tree_attention import tree_attention
 
+_LAYOUTS: dict[tuple, PagedKVLayout] = {}
+
 
 class FlashTreeAttentionMetadataBuilder(
     TreeMetadataBuilderMixin, FlashAttentionMetadataBuilder
 ):
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+
+def slot_rows(kv_cache: torch.Tensor) -> torch.Tensor | None:
+    """``[num_blocks * block_size, Hkv * 2 * D]`` view of a FlashAttention
+    cache (logical ``(blocks, Hkv, block_size, 2 * D)``), one row per slot
+    holding the slot's keys and values, or ``None`` when the physical layout
+    does not keep a slot's heads together (``HND``)."""
+    rows = kv_cache.transpose(1, 2)
+    if not rows.is_contiguous():
+        return None
+    return rows.view(rows.shape[0] * rows.shape[1], -1)
 
 
 class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
@@ -45,7 +58,26 @@ class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
         return kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
 
     def kv_layout(self, kv_cache: torch.Tensor) -> PagedKVLayout:
-        return PagedKVLayout.from_strides(*self._cache_views(kv_cache))
+        # The index maps depend on the cache's geometry only, and every layer
+        # of a KV-cache group shares it: build them once.
+        key = (tuple(kv_cache.shape), kv_cache.stride(), kv_cache.device)
+        layout = _LAYOUTS.get(key)
+        if layout is None:
+            layout = _LAYOUTS[key] = PagedKVLayout.from_strides(
+                *self._cache_views(kv_cache)
+            )
+        return layout
+
+    def copy_kv_slots(
+        self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        # The accepted-path commit runs for every layer of every step: with
+        # the default NHD layout it is one gather and one scatter of rows.
+        rows = slot_rows(kv_cache)
+        if rows is None:
+            super().copy_kv_slots(kv_cache, src, dst)
+        else:
+            rows[dst] = rows[src]
 
     def _tree_forward(self, query, key, value, kv_cache, metadata, tree, output):
         if self.sliding_window != (-1, -1):
