@@ -92,25 +92,34 @@ class TreeRejectionSampler(RejectionSampler):
         node_tokens = torch.where(
             is_draft_t, metadata.draft_token_ids[draft_rows_t].long(), -1
         )
-        walk = walk_trees(
-            node_tokens,
-            step.parents[:, :width],
-            num_nodes_t,
-            target_tokens,
-            step.max_depth,
-        )
-        self.last_walk = walk
         out = torch.full(
             (len(num_draft), metadata.max_spec_len + 1),
             PLACEHOLDER_TOKEN_ID,
             dtype=torch.int32,
             device=device,
         )
-        path_nodes = walk.path[:, 1:]
-        accepted = torch.gather(node_tokens, 1, path_nodes.clamp(min=0))
-        depth = path_nodes.shape[1]
-        out[:, :depth] = torch.where(path_nodes >= 0, accepted, PLACEHOLDER_TOKEN_ID)
-        out.scatter_(1, walk.num_accepted[:, None], walk.bonus[:, None].to(out.dtype))
+        parents = step.parents[:, :width]
+        if logits.is_cuda:
+            # One launch for the walk and the output rows. Imported here:
+            # only GPU processes need Triton.
+            from vllm_ddtree.v1.ops.triton_tree_cores import walk_trees_triton
+
+            walk = walk_trees_triton(
+                node_tokens, parents, num_nodes_t, target_tokens, step.max_depth, out
+            )
+        else:
+            walk = walk_trees(
+                node_tokens, parents, num_nodes_t, target_tokens, step.max_depth
+            )
+            path_nodes = walk.path[:, 1:]
+            accepted = torch.gather(node_tokens, 1, path_nodes.clamp(min=0))
+            out[:, : path_nodes.shape[1]] = torch.where(
+                path_nodes >= 0, accepted, PLACEHOLDER_TOKEN_ID
+            )
+            out.scatter_(
+                1, walk.num_accepted[:, None], walk.bonus[:, None].to(out.dtype)
+            )
+        self.last_walk = walk
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
 
     def _target_choices(

@@ -52,7 +52,7 @@ from vllm_ddtree.v1.sample.tree_rejection_sampler import (
 )
 from vllm_ddtree.v1.spec_decode.adaptive_budget import LatencyModel, choose_budgets
 from vllm_ddtree.v1.spec_decode.ddtree_proposer import DDTreeProposer
-from vllm_ddtree.v1.spec_decode.tree import ancestor_mask, path_first_permutation
+from vllm_ddtree.v1.spec_decode.tree import path_first_permutation
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -197,7 +197,6 @@ class DDTreeModelRunnerMixin:
         )
         rows_t = torch.from_numpy(rows).to(device)
         nodes_t = torch.from_numpy(num_nodes[rows]).to(device)
-        mask = ancestor_mask(parents[rows_t], nodes_t, max_depth)
         as_i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
         total_tokens = int(root_index[-1] + num_nodes[-1])
         return TreeAttentionInfo(
@@ -205,8 +204,8 @@ class DDTreeModelRunnerMixin:
             q_start=as_i32(root_index[rows]).to(device),
             num_nodes=nodes_t.to(torch.int32),
             ctx_len=as_i32(ctx_len[rows]).to(device),
-            mask=mask,
             parents=parents[rows_t],
+            max_depth=max_depth,
             req_rows_cpu=rows.tolist(),
             q_start_cpu=root_index[rows].tolist(),
             num_nodes_cpu=num_nodes[rows].tolist(),

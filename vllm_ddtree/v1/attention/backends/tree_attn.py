@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from vllm.v1.attention.backend import AttentionType
 
+from vllm_ddtree.v1.spec_decode.tree import ancestor_mask
+
 
 @dataclass
 class TreeAttentionInfo:
@@ -38,9 +40,9 @@ class TreeAttentionInfo:
         num_nodes: ``[R]`` query tokens of the tree, root included.
         ctx_len: ``[R]`` tokens before the root; the tree occupies cache
             positions ``ctx_len .. ctx_len + num_nodes - 1``.
-        mask: ``[R, N, N]`` bool ancestor-or-self matrix of each tree.
         parents: ``[R, N]`` parent node index of each node (``-1`` for the
-            root and padding); the GDN layers of hybrid targets need it.
+            root and padding), topological order.
+        max_depth: bound on every node's depth.
         covers_batch: every token of the batch is a tree node, so the
             backend's stock kernel has nothing left to do.
     """
@@ -49,8 +51,8 @@ class TreeAttentionInfo:
     q_start: torch.Tensor
     num_nodes: torch.Tensor
     ctx_len: torch.Tensor
-    mask: torch.Tensor
     parents: torch.Tensor
+    max_depth: int
     req_rows_cpu: list[int]
     q_start_cpu: list[int]
     num_nodes_cpu: list[int]
@@ -66,11 +68,28 @@ class TreeAttentionInfo:
         return max(self.ctx_len_cpu)
 
     @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """``[R, N, N]`` bool ancestor-or-self matrix of each tree (the torch
+        path's form). Built on first use, once per step."""
+        return ancestor_mask(self.parents, self.num_nodes, self.max_depth)
+
+    @functools.cached_property
     def packed_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``mask`` bit-packed for the Triton kernel, with each request's first
-        mask row (see :func:`pack_ancestor_mask`). Built on first use, once
-        per step, and only by backends that need it."""
-        return pack_ancestor_mask(self.mask, self.num_nodes_cpu)
+        """The ancestor masks bit-packed for the Triton kernel, with each
+        request's first mask row (see :func:`pack_ancestor_mask`). Built on
+        first use, once per step; on a GPU in one launch from ``parents``."""
+        if not self.parents.is_cuda:
+            return pack_ancestor_mask(self.mask, self.num_nodes_cpu)
+        # Imported here: only GPU processes need Triton.
+        from vllm_ddtree.v1.ops.triton_tree_cores import packed_ancestor_mask_triton
+
+        counts = np.asarray(self.num_nodes_cpu)
+        starts = torch.from_numpy((np.cumsum(counts) - counts).astype(np.int32))
+        starts = starts.to(self.parents.device, non_blocking=True)
+        packed = packed_ancestor_mask_triton(
+            self.parents, self.num_nodes, starts, int(counts.sum()), self.max_depth
+        )
+        return packed, starts
 
 
 _current_tree: TreeAttentionInfo | None = None

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one-launch Triton tree cores equal the torch cores (CPU, interpreted).
+
+Like ``test_triton_tree_attention.py``, the kernels run under
+``TRITON_INTERPRET=1`` in one subprocess (this file with ``--worker``), which
+prints one JSON line per case. The torch cores of
+:mod:`vllm_ddtree.v1.spec_decode.tree` are the oracle; they are tested on
+their own in ``test_tree.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+# name -> (requests, max nodes incl. root, max depth, seed)
+CASES: dict[str, tuple[int, int, int, int]] = {
+    "single-root": (1, 1, 15, 0),
+    "one-node": (2, 2, 1, 1),
+    "small": (3, 9, 4, 2),
+    "word-edge": (4, 33, 15, 3),
+    "budget-64": (5, 65, 15, 4),
+    "budget-256": (2, 257, 15, 5),
+}
+
+
+def random_batch(num_reqs: int, width: int, max_depth: int, seed: int):
+    """Padded trees (parents in topological order, depth <= max_depth), node
+    tokens with distinct siblings, and target tokens that follow a random
+    child most of the time so that walks go deep."""
+    g = torch.Generator().manual_seed(seed)
+    parents = torch.full((num_reqs, width), -1, dtype=torch.long)
+    tokens = torch.full((num_reqs, width), -1, dtype=torch.long)
+    target = torch.zeros(num_reqs, width, dtype=torch.long)
+    num_nodes = torch.randint(1, width + 1, (num_reqs,), generator=g)
+    num_nodes[0] = width
+    for r in range(num_reqs):
+        n = int(num_nodes[r])
+        depth = [0]
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            allowed = [j for j in range(i) if depth[j] < max_depth]
+            p = allowed[int(torch.randint(0, len(allowed), (1,), generator=g))]
+            parents[r, i] = p
+            depth.append(depth[p] + 1)
+            children[p].append(i)
+            # Distinct among siblings: token = 100 * sibling rank + noise.
+            tokens[r, i] = 100 * len(children[p]) + int(
+                torch.randint(0, 7, (1,), generator=g)
+            )
+        for i in range(n):
+            kids = children[i]
+            if kids and torch.rand(1, generator=g).item() < 0.8:
+                pick = kids[int(torch.randint(0, len(kids), (1,), generator=g))]
+                target[r, i] = tokens[r, pick]
+            else:
+                target[r, i] = 9999
+    return tokens, parents, num_nodes, target
+
+
+def _worker() -> None:
+    try:
+        import triton  # noqa: F401
+
+        from vllm_ddtree.v1.attention.backends.tree_attn import pack_ancestor_mask
+        from vllm_ddtree.v1.ops.triton_tree_cores import (
+            packed_ancestor_mask_triton,
+            walk_trees_triton,
+        )
+        from vllm_ddtree.v1.spec_decode.tree import ancestor_mask, walk_trees
+    except Exception as exc:  # pragma: no cover - environment dependent
+        print("SKIP " + json.dumps(f"cannot import triton: {exc!r}"))
+        return
+    for name, (num_reqs, width, max_depth, seed) in CASES.items():
+        tokens, parents, num_nodes, target = random_batch(
+            num_reqs, width, max_depth, seed
+        )
+        res: dict = {}
+        try:
+            ref = walk_trees(tokens, parents, num_nodes, target, max_depth)
+            out = torch.full((num_reqs, width + 1), -7, dtype=torch.int32)
+            got = walk_trees_triton(tokens, parents, num_nodes, target, max_depth, out)
+            expected_out = torch.full_like(out, -7)
+            for r in range(num_reqs):
+                k = int(ref.num_accepted[r])
+                path = ref.path[r, 1 : k + 1]
+                expected_out[r, :k] = tokens[r, path].int()
+                expected_out[r, k] = int(ref.bonus[r])
+            res["walk_equal"] = (
+                torch.equal(got.path, ref.path)
+                and torch.equal(got.num_accepted, ref.num_accepted)
+                and torch.equal(got.bonus, ref.bonus)
+            )
+            res["out_equal"] = torch.equal(out, expected_out)
+            res["max_accepted"] = int(ref.num_accepted.max())
+
+            counts = num_nodes.tolist()
+            want, starts = pack_ancestor_mask(
+                ancestor_mask(parents, num_nodes, max_depth), counts
+            )
+            bits = packed_ancestor_mask_triton(
+                parents, num_nodes, starts, sum(counts), max_depth
+            )
+            res["mask_equal"] = torch.equal(bits, want)
+        except Exception as exc:
+            res = {"error": repr(exc)}
+        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interp_results() -> dict[str, dict]:
+    from tests.utils import run_interpreter_worker
+
+    return run_interpreter_worker(__file__, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_tree_cores_interpreted(interp_results, name):
+    rec = interp_results.get(name)
+    assert rec is not None, interp_results["__stderr__"]["text"]
+    assert "error" not in rec, rec["error"]
+    assert rec["walk_equal"], rec
+    assert rec["out_equal"], rec
+    assert rec["mask_equal"], rec
+
+
+def test_random_batches_walk_deep():
+    """The cases exercise multi-token acceptance, not just root-only walks."""
+    from vllm_ddtree.v1.spec_decode.tree import walk_trees
+
+    tokens, parents, num_nodes, target = random_batch(*CASES["budget-64"])
+    walk = walk_trees(tokens, parents, num_nodes, target, CASES["budget-64"][2])
+    assert int(walk.num_accepted.max()) >= 3
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
