@@ -61,16 +61,49 @@ def random_batch(num_reqs: int, width: int, max_depth: int, seed: int):
     return tokens, parents, num_nodes, target
 
 
+# name -> (requests, depths, top-k, budget, force_spine, tie-heavy, seed)
+BUILD_CASES: dict[str, tuple[int, int, int, int, bool, bool, int]] = {
+    "build-b1": (2, 15, 1, 1, False, False, 0),
+    "build-b8": (3, 15, 8, 8, False, False, 1),
+    "build-b8-spine": (3, 15, 8, 8, True, False, 2),
+    "build-ties": (4, 6, 6, 24, False, True, 3),
+    "build-ties-spine": (4, 6, 6, 24, True, True, 4),
+    "build-narrow-vocab": (2, 15, 5, 64, False, False, 5),
+    "build-b64": (2, 15, 64, 64, False, False, 6),
+    "build-b64-spine": (2, 15, 64, 64, True, False, 7),
+    "build-b128": (1, 15, 128, 128, True, False, 8),
+}
+
+
+def random_topk(num_reqs: int, depths: int, k: int, ties: bool, seed: int):
+    """Sorted per-depth top-k log-probabilities (optionally coarse, so that
+    many sums tie exactly) and distinct token ids."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_reqs, depths, 4 * k + 8, generator=g) * 2
+    if ties:
+        logits = logits.round()
+    logprobs = logits.log_softmax(-1)
+    if ties:
+        logprobs = (logprobs * 4).round() / 4  # exact in float32
+    values, tokens = logprobs.topk(k, dim=-1)
+    return values, tokens
+
+
 def _worker() -> None:
     try:
         import triton  # noqa: F401
 
         from vllm_ddtree.v1.attention.backends.tree_attn import pack_ancestor_mask
         from vllm_ddtree.v1.ops.triton_tree_cores import (
+            build_trees_triton,
             packed_ancestor_mask_triton,
             walk_trees_triton,
         )
-        from vllm_ddtree.v1.spec_decode.tree import ancestor_mask, walk_trees
+        from vllm_ddtree.v1.spec_decode.tree import (
+            ancestor_mask,
+            build_trees,
+            walk_trees,
+        )
     except Exception as exc:  # pragma: no cover - environment dependent
         print("SKIP " + json.dumps(f"cannot import triton: {exc!r}"))
         return
@@ -108,6 +141,20 @@ def _worker() -> None:
         except Exception as exc:
             res = {"error": repr(exc)}
         print("CASE " + json.dumps({"name": name, **res}), flush=True)
+    for name, (num_reqs, depths, k, budget, spine, ties, seed) in BUILD_CASES.items():
+        values, tokens = random_topk(num_reqs, depths, k, ties, seed)
+        try:
+            ref = build_trees(values, tokens, budget, spine)
+            got = build_trees_triton(values, tokens, budget, spine)
+            res = {
+                "fields_equal": {
+                    f: torch.equal(getattr(got, f), getattr(ref, f))
+                    for f in ("tokens", "parents", "depths", "scores")
+                }
+            }
+        except Exception as exc:
+            res = {"error": repr(exc)}
+        print("CASE " + json.dumps({"name": name, **res}), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +172,21 @@ def test_triton_tree_cores_interpreted(interp_results, name):
     assert rec["walk_equal"], rec
     assert rec["out_equal"], rec
     assert rec["mask_equal"], rec
+
+
+@pytest.mark.parametrize("name", list(BUILD_CASES))
+def test_triton_tree_build_interpreted(interp_results, name):
+    rec = interp_results.get(name)
+    assert rec is not None, interp_results["__stderr__"]["text"]
+    assert "error" not in rec, rec["error"]
+    assert all(rec["fields_equal"].values()), rec
+
+
+def test_tie_heavy_inputs_tie():
+    """The tie cases really contain equal path scores (stable order matters)."""
+    values, _ = random_topk(*BUILD_CASES["build-ties"][:3], True, 3)
+    sums = (values[:, 0, :, None] + values[:, 1, None, :]).flatten(1)
+    assert any(len(set(row.tolist())) < row.numel() for row in sums)
 
 
 def test_random_batches_walk_deep():

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.v1.spec_decode.tree import WalkResult
+from vllm_ddtree.v1.spec_decode.tree import DraftTrees, WalkResult
 
 
 @triton.jit
@@ -183,3 +183,259 @@ def packed_ancestor_mask_triton(
             WP=triton.next_power_of_2(num_words),
         )
     return packed
+
+
+# Largest padded candidate list a build program sorts in registers; bigger
+# budgets fall back to the torch build.
+_MAX_SORT = 4096
+_PAIR_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _pair_table(budget: int, width: int, force_spine: bool, device) -> torch.Tensor:
+    """``[2, P]`` int32 (parent slot, token rank) pairs that can reach the top
+    ``budget`` of a depth, padded with parent slot ``budget`` (never valid).
+
+    Parents and ranks are both sorted by key, so candidate ``(i, j)`` comes
+    after the ``(i + 1) * (j + 1)`` candidates ``(i' <= i, j' <= j)`` (ties go
+    to the smaller index in the stable order). With ``force_spine`` the spine
+    parent (slot 0) only dominates through its rank-0 child, which leaves
+    ``i * (j + 1) + 1`` for ``i >= 1``.
+    """
+    key = (budget, width, force_spine, device)
+    table = _PAIR_TABLES.get(key)
+    if table is None:
+        pairs = [
+            (i, j)
+            for i in range(budget)
+            for j in range(width)
+            if ((i * (j + 1) + 1) if force_spine and i else (i + 1) * (j + 1)) <= budget
+        ]
+        size = triton.next_power_of_2(len(pairs))
+        pairs += [(budget, 0)] * (size - len(pairs))
+        table = torch.tensor(pairs, dtype=torch.int32).T.contiguous().to(device)
+        _PAIR_TABLES[key] = table
+    return table
+
+
+@triton.jit
+def _sortable(key, index, max_index):
+    """int64 whose descending order is ``key`` descending, then ``index``
+    ascending (a stable descending sort); -0.0 counts as +0.0."""
+    bits = (key + 0.0).to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (ordered.to(tl.int64) << 32) | (max_index - index).to(tl.int64)
+
+
+@triton.jit
+def _child_keys(
+    depth_logprobs,
+    parent_keys,
+    i,
+    j,
+    ok,
+    first_depth,
+    spine_priority,
+    FORCE_SPINE: tl.constexpr,
+):
+    """Sort keys of children ``(parent slot i, token rank j)``: the parent's
+    key plus the token's log-probability; with ``FORCE_SPINE`` the spine's
+    priority is taken back from every child but the rank-0 one."""
+    if first_depth:
+        p_key = tl.zeros(i.shape, dtype=tl.float32)
+        if FORCE_SPINE:
+            p_key = p_key + spine_priority
+    else:
+        p_key = tl.load(parent_keys + i, mask=ok, other=0.0)
+    key = p_key + tl.load(depth_logprobs + j, mask=ok, other=0.0)
+    if FORCE_SPINE:
+        key = key - tl.where(
+            (p_key >= spine_priority / 2) & (j > 0), spine_priority, 0.0
+        )
+    return key
+
+
+@triton.jit
+def _build_kernel(
+    LOGPROBS,
+    TOKENS,
+    PAIRS,
+    SCR_KEY,
+    SCR_SCORE,
+    SCR_INT,
+    OUT_TOKENS,
+    OUT_PARENTS,
+    OUT_DEPTHS,
+    OUT_SCORES,
+    stride_lr,
+    stride_ld,
+    stride_tr,
+    stride_td,
+    stride_scr,
+    stride_out,
+    depth_limit,
+    budget,
+    width,
+    num_pairs,
+    FORCE_SPINE: tl.constexpr,
+    CP: tl.constexpr,
+    TP: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    spine_priority = 1.0e9
+    # Per-request scratch (all depths' winners, depth-major like the torch
+    # build's concatenation): keys, scores and, in SCR_INT, four int rows:
+    # token, parent position, depth, node id.
+    scr_key = SCR_KEY + r * stride_scr
+    scr_score = SCR_SCORE + r * stride_scr
+    scr_tok = SCR_INT + (4 * r) * stride_scr
+    scr_ppos = scr_tok + stride_scr
+    scr_depth = scr_ppos + stride_scr
+    scr_node = scr_depth + stride_scr
+
+    c = tl.arange(0, CP)
+    pair_i = tl.load(PAIRS + c)
+    pair_j = tl.load(PAIRS + num_pairs + c)
+    rank = tl.arange(0, CP)
+    count_prev = tl.full((), 1, tl.int32)
+    offset_prev = tl.full((), 0, tl.int32)
+    offset = tl.full((), 0, tl.int32)
+    for d in range(depth_limit):
+        count = tl.minimum(budget, count_prev * width)
+        # Candidates (parent slot i, token rank j), keyed like the torch build.
+        ok = (pair_i < count_prev) & (pair_j < width)
+        key = _child_keys(
+            LOGPROBS + r * stride_lr + d * stride_ld,
+            scr_key + offset_prev,
+            pair_i,
+            pair_j,
+            ok,
+            d == 0,
+            spine_priority,
+            FORCE_SPINE,
+        )
+        packed = _sortable(key, pair_i * width + pair_j, budget * width)
+        packed = tl.where(ok, packed, -9223372036854775807 - 1)
+        order = tl.sort(packed, descending=True)
+        # The depth's winners, best first: recompute their keys and scores
+        # with the same float operations.
+        win = (budget * width - (order & 0xFFFFFFFF)).to(tl.int32)
+        wi = win // width
+        wj = win - wi * width
+        keep = rank < count
+        w_key = _child_keys(
+            LOGPROBS + r * stride_lr + d * stride_ld,
+            scr_key + offset_prev,
+            wi,
+            wj,
+            keep,
+            d == 0,
+            spine_priority,
+            FORCE_SPINE,
+        )
+        w_vals = tl.load(
+            LOGPROBS + r * stride_lr + d * stride_ld + wj, mask=keep, other=0.0
+        )
+        if d == 0:
+            w_score = w_vals
+            w_ppos = tl.full((CP,), -1, dtype=tl.int32)
+        else:
+            w_score = tl.load(scr_score + offset_prev + wi, mask=keep, other=0.0)
+            w_score = w_score + w_vals
+            w_ppos = offset_prev + wi
+        w_tok = tl.load(TOKENS + r * stride_tr + d * stride_td + wj, mask=keep)
+        tl.store(scr_key + offset + rank, w_key, mask=keep)
+        tl.store(scr_score + offset + rank, w_score, mask=keep)
+        tl.store(scr_tok + offset + rank, w_tok, mask=keep)
+        tl.store(scr_ppos + offset + rank, w_ppos, mask=keep)
+        tl.store(scr_depth + offset + rank, rank * 0 + d + 1, mask=keep)
+        tl.debug_barrier()
+        offset_prev = offset
+        offset += count
+        count_prev = count
+
+    # The global best ``budget`` of all depths' winners, stable on the
+    # depth-major position (parents come first).
+    t = tl.arange(0, TP)
+    have = t < offset
+    all_keys = tl.load(scr_key + t, mask=have, other=0.0)
+    packed = _sortable(all_keys, t, TP)
+    packed = tl.where(have, packed, -9223372036854775807 - 1)
+    order = tl.sort(packed, descending=True)
+    sel = (TP - (order & 0xFFFFFFFF)).to(tl.int32)
+    b = tl.arange(0, TP)
+    chosen = b < budget
+    tl.store(scr_node + sel, b + 1, mask=chosen)
+    tl.debug_barrier()
+    ppos = tl.load(scr_ppos + sel, mask=chosen, other=-1)
+    parent = tl.load(scr_node + tl.maximum(ppos, 0), mask=chosen & (ppos >= 0), other=0)
+    out = r * stride_out + b
+    tl.store(OUT_TOKENS + out, tl.load(scr_tok + sel, mask=chosen), mask=chosen)
+    tl.store(OUT_PARENTS + out, parent, mask=chosen)
+    tl.store(OUT_DEPTHS + out, tl.load(scr_depth + sel, mask=chosen), mask=chosen)
+    tl.store(OUT_SCORES + out, tl.load(scr_score + sel, mask=chosen), mask=chosen)
+
+
+def build_trees_triton(
+    topk_logprobs: torch.Tensor,
+    topk_tokens: torch.Tensor,
+    budget: int,
+    force_spine: bool = False,
+) -> DraftTrees | None:
+    """:func:`~vllm_ddtree.v1.spec_decode.tree.build_trees` in one launch:
+    one program per request, one register sort per depth over the candidate
+    pairs that can still make the depth's top ``budget``, then one sort over
+    all depths' winners. Returns ``None`` when the candidate lists are too
+    long to sort in registers (the caller uses the torch build)."""
+    num_reqs, depth_limit, k = topk_logprobs.shape
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    width = min(budget, k)
+    counts, count = [], 1
+    for _ in range(depth_limit):
+        count = min(budget, count * width)
+        counts.append(count)
+    total = sum(counts)
+    if total < budget:
+        raise ValueError(
+            f"budget {budget} exceeds the {total} prefixes available "
+            f"from {depth_limit} depths x top-{k} tokens"
+        )
+    device = topk_logprobs.device
+    pairs = _pair_table(budget, width, force_spine, device)
+    total_p2 = triton.next_power_of_2(total)
+    if max(pairs.shape[1], total_p2) > _MAX_SORT:
+        return None
+    logprobs = topk_logprobs.float()
+    tokens = topk_tokens.long()
+    scr_f = torch.empty(2, num_reqs, total, dtype=torch.float32, device=device)
+    scr_i = torch.empty(num_reqs, 4, total, dtype=torch.long, device=device)
+    out_i = torch.empty(3, num_reqs, budget, dtype=torch.long, device=device)
+    scores = torch.empty(num_reqs, budget, dtype=torch.float32, device=device)
+    if num_reqs:
+        _build_kernel[(num_reqs,)](
+            logprobs,
+            tokens,
+            pairs,
+            scr_f[0],
+            scr_f[1],
+            scr_i,
+            out_i[0],
+            out_i[1],
+            out_i[2],
+            scores,
+            logprobs.stride(0),
+            logprobs.stride(1),
+            tokens.stride(0),
+            tokens.stride(1),
+            total,
+            budget,
+            depth_limit,
+            budget,
+            width,
+            pairs.shape[1],
+            FORCE_SPINE=force_spine,
+            CP=pairs.shape[1],
+            TP=total_p2,
+            num_warps=8,
+        )
+    return DraftTrees(tokens=out_i[0], parents=out_i[1], depths=out_i[2], scores=scores)

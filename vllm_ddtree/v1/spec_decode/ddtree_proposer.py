@@ -45,17 +45,30 @@ class DDTreeProposer(DFlashProposer):
         self._topk: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _ensure_query_capacity(self, max_depth: int) -> None:
-        """DFlash sizes its query buffers for ``num_speculative_tokens``
-        queries per request; DDTree runs ``max_depth`` of them, which is more
-        when the budget is small."""
-        needed = self.max_batch_size * (1 + max_depth)
-        if needed <= self.max_query_tokens:
+        """Size DFlash's query buffers for what DDTree runs.
+
+        DFlash sizes ``positions`` and the query slot mapping for
+        ``max_num_seqs * (1 + num_speculative_tokens)`` queries. DDTree's
+        ``num_speculative_tokens`` is the tree budget while the drafter runs
+        ``max_depth`` queries per request, so that count can be too small
+        (small budgets) and, with a budget off the CUDA-graph size grid, also
+        smaller than the padded token count a captured drafter run slices
+        (e.g. 4 x 65 = 260 queries padded to the 272-token graph: RoPE then
+        sees fewer positions than tokens). The dispatcher pads nothing
+        beyond the largest capture size, so buffers of at least that size
+        cover every padded run.
+        """
+        self.max_query_tokens = max(
+            self.max_query_tokens, self.max_batch_size * (1 + max_depth)
+        )
+        capture = self.vllm_config.compilation_config.max_cudagraph_capture_size
+        capacity = max(self.max_query_tokens, capture or 0)
+        if min(len(self.positions), len(self._slot_mapping_buffer)) >= capacity:
             return
-        self.max_query_tokens = needed
-        self.max_positions = self.max_num_tokens + needed
+        self.max_positions = self.max_num_tokens + capacity
         kwargs = dict(dtype=torch.int64, device=self.device)
-        self._slot_mapping_buffer = torch.zeros(needed, **kwargs)
-        self.positions = torch.zeros(needed, **kwargs)
+        self._slot_mapping_buffer = torch.zeros(capacity, **kwargs)
+        self.positions = torch.zeros(capacity, **kwargs)
         self.arange = torch.arange(
             self.max_positions + 1, dtype=torch.int32, device=self.device
         )
@@ -118,13 +131,25 @@ class DDTreeProposer(DFlashProposer):
         self._topk = None
         num_reqs = common_attn_metadata.batch_size()
         k = values.shape[-1]
-        self.last_trees = build_trees(
+        self.last_trees = self._build_trees(
             values.view(num_reqs, self.ddtree.max_depth, k),
             tokens.view(num_reqs, self.ddtree.max_depth, k),
-            self.ddtree.budget,
-            self.ddtree.force_spine,
         )
         return self.last_trees.tokens.to(torch.int32)
+
+    def _build_trees(self, values: torch.Tensor, tokens: torch.Tensor) -> DraftTrees:
+        """The best-first trees: one Triton launch on a GPU (the torch build
+        costs a launch per operation and depth), the torch build otherwise
+        or when the budget is too large for the kernel's register sorts."""
+        budget, force_spine = self.ddtree.budget, self.ddtree.force_spine
+        if values.is_cuda:
+            # Imported here: only GPU processes need Triton.
+            from vllm_ddtree.v1.ops.triton_tree_cores import build_trees_triton
+
+            trees = build_trees_triton(values, tokens, budget, force_spine)
+            if trees is not None:
+                return trees
+        return build_trees(values, tokens, budget, force_spine)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         """Keep the top-``budget`` log-probabilities of every position.
