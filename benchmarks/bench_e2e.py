@@ -422,7 +422,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--min-requests", type=int, default=16, help="requests per (batch, T)"
     )
-    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="default: prompt length + max tokens + the widest draft",
+    )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--gpu-memory-utilization", type=float)
@@ -461,6 +466,14 @@ def main(argv: list[str] | None = None) -> None:
     elif not (args.target and args.drafter):
         ap.error("--load-format dummy needs --target and --drafter config dirs")
 
+    needed = args.prompt_len + args.max_tokens + max([*args.budgets, DFLASH_DRAFTS])
+    if args.max_model_len is None:
+        args.max_model_len = needed + 1
+    elif args.max_model_len <= needed:
+        ap.error(
+            f"--max-model-len {args.max_model_len} cannot hold --prompt-len + "
+            f"--max-tokens + the widest draft ({needed}); raise it or leave it out"
+        )
     rows_dir = args.out / "rows"
     rows_dir.mkdir(parents=True, exist_ok=True)
     engine = _engine_settings(args)

@@ -36,6 +36,10 @@ step() {
   tail=$(grep -E "[0-9]+ (passed|failed)|Error|error:" "$logs/$name.log" | tail -1)
   printf '%-28s rc=%-3s %4ss  %s\n' "$name" "$rc" $((SECONDS - start)) "$tail" |
     tee -a "$out/summary.txt"
+  grep -E "^(FAILED|ERROR) " "$logs/$name.log" | tee -a "$out/summary.txt"
+  # Pack the logs after every step: a call cut at the device's time limit
+  # still brings back everything that ran.
+  tar czf "$out/logs-$mode.tgz" -C "$logs" .
 }
 
 engine_test() {  # one pytest id of an engine test file, alone in its process
@@ -44,14 +48,17 @@ engine_test() {  # one pytest id of an engine test file, alone in its process
 
 case $mode in
 tests)
-  step kernels 240 python3 -m pytest -q tests/gpu/test_tree_attention_gpu.py \
-    tests/gpu/test_tree_gdn_gpu.py
-  for id in True-16-8 True-32-64 False-16-8 False-16-64 stock_dflash; do
-    engine_test "engine-$id" 150 tests/gpu/test_ddtree_engine_gpu.py "$id"
+  step kernels 240 python3 -m pytest -q -rf tests/gpu/test_tree_attention_gpu.py \
+    tests/gpu/test_tree_gdn_gpu.py tests/gpu/test_tree_cores_gpu.py
+  # The first engine of a fresh machine also pays vLLM's kernel JIT.
+  engine_test engine-False-16-8 240 tests/gpu/test_ddtree_engine_gpu.py False-16-8
+  for id in True-16-8 True-32-64 False-16-64 stock_dflash; do
+    engine_test "engine-$id" 120 tests/gpu/test_ddtree_engine_gpu.py "$id"
   done
   step hybrid-engine 300 python3 -m pytest -q -rA tests/gpu/test_ddtree_hybrid_gpu.py
   ;;
 kernels)
+  step tree-cores 90 python3 benchmarks/bench_tree_cores.py --out "$out/tree_cores.json"
   step tree-attention 300 python3 benchmarks/bench_tree_attention.py \
     --out "$out/tree_attention.json"
   step hybrid-verify 120 python3 benchmarks/bench_hybrid_verify.py \

@@ -155,6 +155,28 @@ def _worker() -> None:
         except Exception as exc:
             res = {"error": repr(exc)}
         print("CASE " + json.dumps({"name": name, **res}), flush=True)
+    _worker_compile_variants()
+
+
+def _worker_compile_variants() -> None:
+    """The start-up warm-ups launch cleanly: the cores for a budget whose
+    trees span two node tiles, and the tree attention over every query tile."""
+    from vllm_ddtree.v1.attention.ops.triton_tree_attention import (
+        compile_variants as attention_variants,
+    )
+    from vllm_ddtree.v1.ops.triton_tree_cores import compile_variants
+
+    cpu = torch.device("cpu")
+    try:
+        compile_variants(cpu, budget=64, max_depth=15, top_k=8, force_spine=True)
+        cache = torch.zeros(4, 16, 2, 16)
+        ran = attention_variants(
+            cache, cache, torch.zeros(1, 4, dtype=torch.int32), 4, max_nodes=70
+        )
+        res = {"attention_variants": sorted(ran)}
+    except Exception as exc:
+        res = {"error": repr(exc)}
+    print("CASE " + json.dumps({"name": "compile-variants", **res}), flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +202,15 @@ def test_triton_tree_build_interpreted(interp_results, name):
     assert rec is not None, interp_results["__stderr__"]["text"]
     assert "error" not in rec, rec["error"]
     assert all(rec["fields_equal"].values()), rec
+
+
+def test_compile_variants_interpreted(interp_results):
+    rec = interp_results.get("compile-variants")
+    assert rec is not None, interp_results["__stderr__"]["text"]
+    assert "error" not in rec, rec["error"]
+    # 2 q heads per KV head, up to 70 nodes: 140 rows -> every query tile.
+    tiles = [16, 32, 64, 128, 256]
+    assert rec["attention_variants"] == [[m, s] for m in tiles for s in (False, True)]
 
 
 def test_tie_heavy_inputs_tie():

@@ -18,8 +18,24 @@ import triton.language as tl
 
 from vllm_ddtree.v1.spec_decode.tree import DraftTrees, WalkResult
 
+# Arguments that change from step to step are not specialised on (Triton
+# would otherwise compile a variant per value class mid-serving), and the
+# register tiles are bucketed (at least 64 nodes, 16 depths) for the same
+# reason.
+_MIN_NODES_TILE = 64
+_MIN_DEPTH_TILE = 16
 
-@triton.jit
+
+@triton.jit(
+    do_not_specialize=[
+        "stride_tok",
+        "stride_par",
+        "stride_tgt",
+        "stride_path",
+        "stride_out",
+        "max_depth",
+    ]
+)
 def _walk_kernel(
     NODE_TOKENS,
     PARENTS,
@@ -73,6 +89,10 @@ def _walk_kernel(
         tl.store(row + accepted, bonus)
 
 
+def _nodes_tile(num_nodes: int) -> int:
+    return max(_MIN_NODES_TILE, triton.next_power_of_2(num_nodes))
+
+
 def walk_trees_triton(
     node_tokens: torch.Tensor,
     parents: torch.Tensor,
@@ -108,14 +128,14 @@ def walk_trees_triton(
             path.stride(0),
             out.stride(0) if out is not None else 0,
             max_depth,
-            NP=triton.next_power_of_2(max(n, 2)),
-            DP=triton.next_power_of_2(max_depth + 1),
+            NP=_nodes_tile(n),
+            DP=max(_MIN_DEPTH_TILE, triton.next_power_of_2(max_depth + 1)),
             WRITE_OUT=out is not None,
         )
     return WalkResult(path=path, num_accepted=num_accepted, bonus=bonus)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_par", "stride_packed", "num_words", "max_depth"])
 def _ancestor_bits_kernel(
     PARENTS,
     NUM_NODES,
@@ -179,8 +199,8 @@ def packed_ancestor_mask_triton(
             packed.stride(0),
             num_words,
             max_depth,
-            NP=triton.next_power_of_2(max(n, 2)),
-            WP=triton.next_power_of_2(num_words),
+            NP=_nodes_tile(n),
+            WP=_nodes_tile(n) // 32,
         )
     return packed
 
@@ -439,3 +459,40 @@ def build_trees_triton(
             num_warps=8,
         )
     return DraftTrees(tokens=out_i[0], parents=out_i[1], depths=out_i[2], scores=scores)
+
+
+def compile_variants(
+    device: torch.device, budget: int, max_depth: int, top_k: int, force_spine: bool
+) -> None:
+    """Launch every variant of the three kernels that an engine with this
+    budget can use (the build; the walk and the masks for every node-tile
+    size up to ``budget + 1`` nodes), so that Triton compiles them at
+    start-up rather than mid-serving. Inputs are dummies with the dtypes of
+    the real calls."""
+    as_long = dict(dtype=torch.long, device=device)
+    build_trees_triton(
+        torch.zeros(1, max_depth, top_k, device=device),
+        torch.zeros(1, max_depth, top_k, **as_long),
+        budget,
+        force_spine,
+    )
+    widths = {_nodes_tile(w): w for w in range(1, budget + 2)}
+    for width in widths.values():
+        parents = torch.arange(-1, width - 1, **as_long)[None]
+        zeros = torch.zeros(1, width, **as_long)
+        walk_trees_triton(
+            zeros,
+            parents,
+            torch.full((1,), width, **as_long),
+            zeros,
+            max_depth,
+            torch.zeros(1, width + 1, dtype=torch.int32, device=device),
+        )
+        as_i32 = dict(dtype=torch.int32, device=device)
+        packed_ancestor_mask_triton(
+            parents,
+            torch.full((1,), width, **as_i32),
+            torch.zeros(1, **as_i32),
+            width,
+            max_depth,
+        )

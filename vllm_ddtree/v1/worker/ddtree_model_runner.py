@@ -322,6 +322,12 @@ class DDTreeModelRunnerMixin:
         extra_args = state.sampling_params.extra_args or {}
         return extra_args.get(BUDGET_ARG, self.ddtree.budget)
 
+    # -- start-up -----------------------------------------------------------
+
+    def warm_up_tree_kernels(self) -> None:
+        """Compile the step's kernels before serving (the GPU runner's
+        Triton kernels); the CPU path has nothing to compile."""
+
     # -- adaptive budgets: the latency model -------------------------------
 
     @torch.inference_mode()
@@ -357,4 +363,47 @@ class DDTreeModelRunnerMixin:
 
 
 class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
-    pass
+    @torch.inference_mode()
+    def warm_up_tree_kernels(self) -> None:
+        """Compile the Triton kernels of a DDTree step at start-up: the tree
+        cores, and the tree attention once per distinct layer geometry.
+        Otherwise each variant compiles (about a second) the first time a
+        tree size needs it, in the middle of serving."""
+        # Imported here: the CPU runner shares this module and needs neither.
+        from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
+            FlashTreeAttentionImpl,
+        )
+        from vllm_ddtree.v1.ops.triton_tree_cores import (
+            compile_variants as compile_core_variants,
+        )
+
+        cfg = self.ddtree
+        compile_core_variants(
+            self.device,
+            cfg.budget,
+            cfg.max_depth,
+            min(cfg.budget, self.model_config.get_vocab_size()),
+            cfg.force_spine,
+        )
+        layers = self.compilation_config.static_forward_context
+        done = set()
+        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            if not isinstance(group.kv_cache_spec, AttentionSpec):
+                continue
+            block_table = self.input_batch.block_table[gid].get_device_tensor(1)
+            for name in group.layer_names:
+                layer = layers[name]
+                impl = getattr(layer, "impl", None)
+                if not isinstance(impl, FlashTreeAttentionImpl):
+                    continue  # the drafter's layers keep vLLM's backend
+                geometry = (
+                    impl.num_heads,
+                    tuple(layer.kv_cache.shape),
+                    layer.kv_cache.stride(),
+                    layer.kv_cache.dtype,
+                )
+                if geometry not in done:
+                    done.add(geometry)
+                    impl.warm_up_tree_kernels(
+                        layer.kv_cache, block_table, 1 + cfg.budget
+                    )

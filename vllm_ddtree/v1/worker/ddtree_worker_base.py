@@ -74,6 +74,7 @@ class DDTreeWorkerMixin:
 
     def compile_or_warm_up_model(self):
         times = super().compile_or_warm_up_model()
+        self.model_runner.warm_up_tree_kernels()
         # After CUDA-graph capture, so the model times what decoding runs.
         if self.model_runner.ddtree.adaptive_budget:
             self.model_runner.measure_verify_latency()

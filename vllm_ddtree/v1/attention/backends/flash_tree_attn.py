@@ -30,7 +30,10 @@ from vllm_ddtree.v1.attention.backends.tree_attn import (
     TreeAttentionImplMixin,
     TreeMetadataBuilderMixin,
 )
-from vllm_ddtree.v1.attention.ops.triton_tree_attention import tree_attention
+from vllm_ddtree.v1.attention.ops.triton_tree_attention import (
+    compile_variants,
+    tree_attention,
+)
 
 _LAYOUTS: dict[tuple, PagedKVLayout] = {}
 
@@ -78,6 +81,14 @@ class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
             super().copy_kv_slots(kv_cache, src, dst)
         else:
             rows[dst] = rows[src]
+
+    def warm_up_tree_kernels(
+        self, kv_cache: torch.Tensor, block_table: torch.Tensor, max_nodes: int
+    ) -> None:
+        """Compile the tree kernel's variants for trees of up to
+        ``max_nodes`` nodes on this layer's cache (see ``compile_variants``)."""
+        key_cache, value_cache = self._cache_views(kv_cache)
+        compile_variants(key_cache, value_cache, block_table, self.num_heads, max_nodes)
 
     def _tree_forward(self, query, key, value, kv_cache, metadata, tree, output):
         if self.sliding_window != (-1, -1):

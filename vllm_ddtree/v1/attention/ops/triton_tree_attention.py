@@ -162,7 +162,10 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Arguments that change from step to step (split count, tree-size dependent
+# strides) are not specialised on: Triton would compile a variant per value
+# class in the middle of serving.
+@triton.jit(do_not_specialize=["num_splits", "stride_tmr", "stride_ps", "stride_lps"])
 def _tree_attn_fwd_kernel(
     Q,
     K,
@@ -317,7 +320,7 @@ def _tree_attn_fwd_kernel(
             tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=row_valid)  # ln(2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_lps"])
 def _tree_attn_reduce_kernel(
     Out,
     LSE,
@@ -602,8 +605,58 @@ def tree_attention(
             lse_part.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            # One tile size for every split count the heuristic picks: the
+            # split count changes with the context, a recompile must not.
+            BLOCK_S=triton.next_power_of_2(max(num_splits, _MAX_SPLITS)),
             WRITE_LSE=lse is not None,
             num_warps=4,
         )
     return lse if return_lse else None
+
+
+def compile_variants(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_q_heads: int,
+    max_nodes: int,
+) -> list[tuple[int, bool]]:
+    """Run :func:`tree_attention` once per kernel variant that trees of up
+    to ``max_nodes`` nodes can select (one per query-tile size, with and
+    without split-KV), so that Triton compiles them at start-up instead of
+    in the middle of serving. The caches and ``block_table`` (``[1, W]``, any
+    valid block ids) are the engine's; nothing in them is written.
+
+    Returns the ``(BLOCK_M, split)`` variants it ran.
+    """
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    device, dtype = key_cache.device, key_cache.dtype
+    block_d = triton.next_power_of_2(head_dim)
+    first_with_tile: dict[int, int] = {}
+    for nodes in range(1, max_nodes + 1):
+        block_m = _pick_tiles(nodes * group, block_d)[0]
+        first_with_tile.setdefault(block_m, nodes)
+    ran = []
+    page = key_cache.shape[1]
+    as_i32 = dict(dtype=torch.int32, device=device)
+    for block_m, nodes in sorted(first_with_tile.items()):
+        query = torch.zeros(nodes, num_q_heads, head_dim, dtype=dtype, device=device)
+        for num_splits in (1, 2):
+            tree_attention(
+                query,
+                key_cache,
+                value_cache,
+                torch.empty_like(query),
+                block_table,
+                torch.zeros(1, **as_i32),
+                torch.full((1,), nodes, **as_i32),
+                torch.full((1,), 2 * page, **as_i32),
+                torch.zeros(1, **as_i32),
+                torch.full((nodes, triton.cdiv(nodes, 32)), -1, **as_i32),
+                1.0,
+                nodes,
+                num_splits=num_splits,
+            )
+            ran.append((block_m, num_splits > 1))
+    return ran

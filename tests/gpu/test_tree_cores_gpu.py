@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one-launch Triton tree cores on a CUDA GPU equal the torch cores.
+
+Same cases as the interpreted CPU test (``tests/test_triton_tree_cores.py``)
+plus full-size ones: 64 requests, budgets up to 256, ties.
+
+Run on the device machine: ``python -m pytest tests/gpu/test_tree_cores_gpu.py -q``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_triton_tree_cores import (
+    BUILD_CASES,
+    CASES,
+    random_batch,
+    random_topk,
+)
+from vllm_ddtree.v1.attention.backends.tree_attn import pack_ancestor_mask
+from vllm_ddtree.v1.spec_decode.tree import ancestor_mask, build_trees, walk_trees
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+WALK_CASES = {**CASES, "batch-64": (64, 65, 15, 11), "batch-64-b256": (64, 257, 15, 12)}
+GPU_BUILD_CASES = {
+    **BUILD_CASES,
+    "build-batch-64": (64, 15, 64, 64, False, False, 13),
+    "build-b256-ties": (8, 15, 256, 256, True, True, 14),
+}
+
+
+@pytest.mark.parametrize("name", list(WALK_CASES))
+def test_walk_and_mask_on_gpu(name):
+    from vllm_ddtree.v1.ops.triton_tree_cores import (
+        packed_ancestor_mask_triton,
+        walk_trees_triton,
+    )
+
+    num_reqs, width, max_depth, seed = WALK_CASES[name]
+    batch = [t.cuda() for t in random_batch(num_reqs, width, max_depth, seed)]
+    tokens, parents, num_nodes, target = batch
+    ref = walk_trees(tokens, parents, num_nodes, target, max_depth)
+    out = torch.full((num_reqs, width + 1), -7, dtype=torch.int32, device="cuda")
+    got = walk_trees_triton(tokens, parents, num_nodes, target, max_depth, out)
+    assert torch.equal(got.path, ref.path)
+    assert torch.equal(got.num_accepted, ref.num_accepted)
+    assert torch.equal(got.bonus, ref.bonus)
+    for r in range(num_reqs):
+        k = int(ref.num_accepted[r])
+        assert out[r, :k].tolist() == tokens[r, ref.path[r, 1 : k + 1]].tolist()
+        assert int(out[r, k]) == int(ref.bonus[r])
+        assert (out[r, k + 1 :] == -7).all()
+
+    counts = num_nodes.tolist()
+    want, starts = pack_ancestor_mask(
+        ancestor_mask(parents, num_nodes, max_depth), counts
+    )
+    got_mask = packed_ancestor_mask_triton(
+        parents, num_nodes, starts, sum(counts), max_depth
+    )
+    assert torch.equal(got_mask, want)
+
+
+@pytest.mark.parametrize("name", list(GPU_BUILD_CASES))
+def test_build_on_gpu(name):
+    from vllm_ddtree.v1.ops.triton_tree_cores import build_trees_triton
+
+    num_reqs, depths, k, budget, spine, ties, seed = GPU_BUILD_CASES[name]
+    values, tokens = (t.cuda() for t in random_topk(num_reqs, depths, k, ties, seed))
+    ref = build_trees(values, tokens, budget, spine)
+    got = build_trees_triton(values, tokens, budget, spine)
+    assert got is not None
+    for field in ("tokens", "parents", "depths", "scores"):
+        assert torch.equal(getattr(got, field), getattr(ref, field)), field
