@@ -52,7 +52,7 @@ tests)
     tests/gpu/test_tree_gdn_gpu.py tests/gpu/test_tree_cores_gpu.py
   # The first engine of a fresh machine also pays vLLM's kernel JIT.
   engine_test engine-False-16-8 240 tests/gpu/test_ddtree_engine_gpu.py False-16-8
-  for id in True-16-8 True-32-64 False-16-64 stock_dflash; do
+  for id in True-16-8 True-32-64 False-16-64 small_max_num_seqs stock_dflash; do
     engine_test "engine-$id" 120 tests/gpu/test_ddtree_engine_gpu.py "$id"
   done
   step hybrid-engine 300 python3 -m pytest -q -rA tests/gpu/test_ddtree_hybrid_gpu.py

@@ -26,11 +26,14 @@ MAX_TOKENS = 64
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 
 
-def _engine(model, enforce_eager: bool, block_size: int = 16, spec=None) -> LLM:
+def _engine(
+    model, enforce_eager: bool, block_size: int = 16, spec=None, max_num_seqs=16
+) -> LLM:
     return make_llm(
         model,
         enforce_eager=enforce_eager,
         block_size=block_size,
+        max_num_seqs=max_num_seqs,
         # A fixed KV size: in-process engines do not hand their GPU memory
         # back, which breaks vLLM's free-memory profiling for the next one.
         kv_cache_memory_bytes=1 << 30,
@@ -80,6 +83,20 @@ def test_greedy_equals_no_spec_on_gpu(
     # The oracle makes trees accept several tokens per step; otherwise the
     # compaction and depth positions would go untested.
     assert accepted > len(PROMPTS) * MAX_TOKENS // 4
+
+
+def test_small_max_num_seqs_with_cuda_graphs(fixtures, expected):
+    """4 x 65 drafter queries are off the CUDA-graph size grid: the captured
+    drafter runs pad past DFlash's own buffer sizes (a start-up crash once)."""
+    prompts = PROMPTS[:4]
+    oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, expected, strict=False)})
+    spec = ddtree_config(fixtures.dense_drafter, 64)
+    with oracle_drafter(oracle):
+        llm = _engine(fixtures.dense_target, False, spec=spec, max_num_seqs=4)
+        try:
+            assert _generate(llm, prompts) == expected[:4]
+        finally:
+            shutdown_llm(llm)
 
 
 def test_stock_dflash_still_works_on_gpu(fixtures, expected):

@@ -217,6 +217,7 @@ def _tree_attn_fwd_kernel(
     MIN_CHUNK: tl.constexpr,
     SPLIT: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    TREE_ONLY: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
@@ -271,6 +272,12 @@ def _tree_attn_fwd_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, ctx_full)
     tail_split = tl.minimum(ctx_full // chunk, num_splits - 1)
+    tail_start = ctx_full
+    if TREE_ONLY:
+        # The context is someone else's (e.g. FlashAttention's, merged by
+        # log-sum-exp afterwards): attend to the tree nodes only.
+        hi = lo
+        tail_start = ctx_len
 
     for start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -284,7 +291,7 @@ def _tree_attn_fwd_kernel(
         # Node i only sees tree nodes j <= i (ancestors precede descendants),
         # so keys past this tile's last node are skipped.
         last_node = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, n_nodes - 1)
-        for start in range(ctx_full, ctx_len + last_node + 1, BLOCK_N):
+        for start in range(tail_start, ctx_len + last_node + 1, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, start, ctx_len, total_len, node, row_valid,
                 mask_row0, offs_n, offs_d, bt_row_ptr, stride_btc, k_base,
@@ -452,6 +459,7 @@ def tree_attention(
     max_ctx_len: int | None = None,
     num_splits: int | None = None,
     lse: torch.Tensor | None = None,
+    tree_only: bool = False,
 ) -> torch.Tensor | None:
     """Tree attention over a paged KV cache; writes ``out`` in place.
 
@@ -487,7 +495,11 @@ def tree_attention(
             split-KV heuristic (default: the block table's capacity).
         num_splits: force the split-KV factor (``1`` disables splitting).
         lse: optional preallocated ``[T, Hq]`` float32 LSE buffer (implies
-            ``return_lse``).
+            ``return_lse``); any strides (e.g. the transpose of vLLM's
+            ``[Hq, T]`` LSE layout).
+        tree_only: attend to the tree nodes only, not to the context (for a
+            context pass by another kernel, merged by log-sum-exp); no
+            split-KV.
 
     Returns:
         The LSE tensor if requested, else ``None``.
@@ -512,7 +524,9 @@ def tree_attention(
     block_d = triton.next_power_of_2(head_dim)
     block_m, block_n, num_warps, num_stages = _pick_tiles(max_nodes * group, block_d)
     q_tiles = triton.cdiv(max_nodes * group, block_m)
-    if num_splits is None:
+    if tree_only:
+        num_splits = 1
+    elif num_splits is None:
         if max_ctx_len is None:
             max_ctx_len = block_table.shape[1] * page
         num_splits = choose_num_splits(
@@ -580,6 +594,7 @@ def tree_attention(
         MIN_CHUNK=max(_MIN_CHUNK, block_n),
         SPLIT=split,
         WRITE_LSE=lse is not None,
+        TREE_ONLY=tree_only,
         DOT_PREC=dot_prec,
         DOT_UPCAST=_INTERPRET and query.dtype == torch.bfloat16,
         num_warps=num_warps,
