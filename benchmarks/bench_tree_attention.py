@@ -7,6 +7,10 @@ For each (batch, context, tree size) it times
 * ``fa3``: vLLM's FlashAttention (``vllm.vllm_flash_attn``) causal attention
   over the same number of query tokens arranged as a chain, on the same paged
   cache (column skipped when it cannot be imported);
+* ``fa3+tree``: the alternative design, FlashAttention non-causal over the
+  context returning its log-sum-exp, our kernel over the tree nodes only
+  (``tree_only``), and vLLM's ``merge_attn_states``; with its largest
+  deviation from ``ours`` (``fa3_tree_err``);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with a
   materialised boolean mask over pre-gathered contiguous KV (gather not
   timed);
@@ -136,6 +140,7 @@ def run_config(
     n: int,
     args: argparse.Namespace,
     fa_fn,
+    merge_fn,
 ) -> dict:
     hq, hkv, d, page = args.q_heads, args.kv_heads, args.head_dim, args.page
     dtype = getattr(torch, args.dtype)
@@ -190,9 +195,9 @@ def run_config(
     except Exception as exc:  # OOM or launch failure: record and go on
         rec["ours_error"] = repr(exc)[:300]
 
+    cu_q = torch.arange(batch + 1, **i32) * n
     if fa_fn is not None:
         try:
-            cu_q = torch.arange(batch + 1, **i32) * n
             seqused = torch.full((batch,), total, **i32)
 
             def fa():
@@ -207,6 +212,19 @@ def run_config(
             rec["fa3_ms"] = _bench_graph(fa, _reps(eager)) if not args.eager else eager
         except Exception as exc:
             rec["fa3_error"] = repr(exc)[:300]
+
+    if fa_fn is not None and merge_fn is not None and "ours_ms" in rec:
+        try:
+            ours()  # the FA3 chain column wrote ``out`` too
+            rec.update(
+                _time_fa3_tree(
+                    args, fa_fn, merge_fn, query, key_cache, value_cache,
+                    block_table, cu_q, q_start, num_nodes, ctx_len,
+                    mask_row_start, tree_mask, scale, n, ctx, out,
+                )
+            )  # fmt: skip
+        except Exception as exc:
+            rec["fa3_tree_error"] = repr(exc)[:300]
 
     if not args.no_sdpa:
         # Gathered contiguous KV (+ head expansion if SDPA's memory-efficient
@@ -226,6 +244,39 @@ def run_config(
             torch.cuda.empty_cache()
 
     return rec  # tensors die with this frame; the caller empties the cache
+
+
+def _time_fa3_tree(
+    args, fa_fn, merge_fn, query, key_cache, value_cache, block_table, cu_q,
+    q_start, num_nodes, ctx_len, mask_row_start, tree_mask, scale, n, ctx, ours_out,
+) -> dict:  # fmt: skip
+    """FlashAttention over the context + the tree-only pass, merged by LSE."""
+    num_tokens, hq, _ = query.shape
+    ctx_out = torch.empty_like(query)
+    tree_out = torch.empty_like(query)
+    merged = torch.empty_like(query)
+    # vLLM's LSE layout is [heads, tokens]; the tree pass writes its transpose.
+    tree_lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=query.device)
+
+    def fa3_tree():
+        _, ctx_lse = fa_fn(
+            q=query, k=key_cache, v=value_cache, out=ctx_out, cu_seqlens_q=cu_q,
+            max_seqlen_q=n, seqused_k=ctx_len, max_seqlen_k=ctx,
+            softmax_scale=scale, causal=False, block_table=block_table,
+            return_softmax_lse=True, fa_version=3,
+        )  # fmt: skip
+        tree_attention(
+            query, key_cache, value_cache, tree_out, block_table, q_start,
+            num_nodes, ctx_len, mask_row_start, tree_mask, scale, n,
+            lse=tree_lse.T, tree_only=True,
+        )  # fmt: skip
+        merge_fn(merged, ctx_out, ctx_lse, tree_out, tree_lse)
+
+    eager = _bench(fa3_tree, args.warmup, args.rep)
+    ms = _bench_graph(fa3_tree, _reps(eager)) if not args.eager else eager
+    fa3_tree()
+    err = (merged.float() - ours_out.float()).abs().max().item()
+    return {"fa3_tree_eager_ms": eager, "fa3_tree_ms": ms, "fa3_tree_err": err}
 
 
 def _time_sdpa(
@@ -313,6 +364,11 @@ def main() -> None:
             fa_note = "vllm.vllm_flash_attn (fa_version=3)"
         except Exception as exc:
             fa_note = f"unavailable: {exc!r}"[:200]
+    merge_fn = None
+    if fa_fn is not None:
+        from vllm.v1.attention.ops.merge_attn_states import (
+            merge_attn_states as merge_fn,
+        )
 
     args.copy_bw = measure_copy_bandwidth()
     torch.cuda.empty_cache()
@@ -353,7 +409,8 @@ def main() -> None:
 
     hdr = (
         f"{'batch':>5} {'ctx':>6} {'tree':>4} {'split':>5} {'ours ms':>9} "
-        f"{'fa3 ms':>9} {'sdpa ms':>9} {'GB/s':>7} {'roofl':>6} {'TFLOP/s':>8}"
+        f"{'fa3 ms':>9} {'fa3+tree':>9} {'sdpa ms':>9} {'GB/s':>7} {'roofl':>6} "
+        f"{'TFLOP/s':>8}"
     )
     print(hdr, flush=True)
     t0 = time.time()
@@ -361,7 +418,7 @@ def main() -> None:
         for ctx in _ints(args.contexts):
             for n in _ints(args.trees):
                 try:
-                    rec = run_config(batch, ctx, n, args, fa_fn)
+                    rec = run_config(batch, ctx, n, args, fa_fn, merge_fn)
                 except Exception as exc:  # e.g. OOM while building the batch
                     rec = {"batch": batch, "ctx": ctx, "tree": n}
                     rec["error"] = repr(exc)[:300]
@@ -374,6 +431,7 @@ def main() -> None:
                     f"{batch:>5} {ctx:>6} {n:>4} {_fmt(rec.get('splits'), '>5')} "
                     f"{_fmt(rec.get('ours_ms'), '>9.4f')} "
                     f"{_fmt(rec.get('fa3_ms'), '>9.4f')} "
+                    f"{_fmt(rec.get('fa3_tree_ms'), '>9.4f')} "
                     f"{_fmt(rec.get('sdpa_ms'), '>9.4f')} "
                     f"{_fmt(rec.get('ours_GBps'), '>7.0f')} "
                     f"{_fmt(rec.get('roofline_frac'), '>6.2f')} "

@@ -189,3 +189,41 @@ def test_cuda_graph_replay():
     idx = torch.tensor(b.tree_tokens, device="cuda")
     o, r = out[idx].double(), ref[idx].double()
     assert float((o - r).norm() / r.norm()) < H.TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tree_only_pass(dtype):
+    """The tree-only pass equals the reference with the context cut off."""
+    res = H._check_tree_only(_kernel(), dtype)
+    assert res["finite"] and res["untouched_nan"], res
+    assert res["rel_err"] < res["tol"], res
+    assert res["lse_err"] < 1e-2, res
+
+
+def test_flash_context_plus_tree_only_merge():
+    """FlashAttention over the context + our tree-only pass, merged by LSE
+    (vLLM's ``merge_attn_states``), equals the fused kernel."""
+    flash = pytest.importorskip("vllm.vllm_flash_attn")
+    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+
+    rows = [(65, 1000), (17, 4096), (1, 37), (33, 16)]  # a root always has context
+    b = H.make_batch(
+        rows, page=16, num_q_heads=32, num_kv_heads=8, head_dim=128,
+        dtype=torch.bfloat16, device="cuda", seed=3, interleave=False,
+    )  # fmt: skip
+    fused = b.poisoned_out()
+    _kernel()(*b.args(fused))
+    ctx_out, tree_out, merged = (b.poisoned_out() for _ in range(3))
+    tree_lse = torch.empty(b.query.shape[1], b.query.shape[0], device="cuda")
+    ends = torch.cumsum(b.num_nodes, 0, dtype=torch.int32)
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), ends])
+    _, ctx_lse = flash.flash_attn_varlen_func(
+        q=b.query, k=b.key_cache, v=b.value_cache, out=ctx_out, cu_seqlens_q=cu_q,
+        max_seqlen_q=b.max_nodes, seqused_k=b.ctx_len, max_seqlen_k=4096,
+        softmax_scale=b.scale, causal=False, block_table=b.block_table,
+        return_softmax_lse=True, fa_version=3,
+    )  # fmt: skip
+    _kernel()(*b.args(tree_out), lse=tree_lse.T, tree_only=True)
+    merge_attn_states(merged, ctx_out, ctx_lse, tree_out, tree_lse)
+    err = (merged.float() - fused.float()).norm() / fused.float().norm()
+    assert err < 1e-2
