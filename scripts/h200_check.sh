@@ -2,7 +2,8 @@
 # Everything we check on the H200, in as few device calls as possible.
 #
 # On the device machine, after staging vLLM there (../shared/device/README.md):
-#   bash scripts/h200_check.sh tests   # kernels + engines (~6 min)
+#   bash scripts/h200_check.sh tests   # kernels + dense engines (~9 min)
+#   bash scripts/h200_check.sh serve-hybrid  # more engines, OpenAI server, hybrid (~9 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
@@ -14,7 +15,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|kernels|e2e-8b|train|e2e}
+mode=${1:?usage: h200_check.sh tests|serve-hybrid|kernels|e2e-8b|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -52,9 +53,15 @@ tests)
     tests/gpu/test_tree_gdn_gpu.py tests/gpu/test_tree_cores_gpu.py
   # The first engine of a fresh machine also pays vLLM's kernel JIT.
   engine_test engine-False-16-8 240 tests/gpu/test_ddtree_engine_gpu.py False-16-8
-  for id in True-16-8 True-32-64 False-16-64 small_max_num_seqs stock_dflash; do
+  for id in True-16-8 True-32-64 False-16-64; do
     engine_test "engine-$id" 120 tests/gpu/test_ddtree_engine_gpu.py "$id"
   done
+  ;;
+serve-hybrid)
+  for id in small_max_num_seqs stock_dflash; do
+    engine_test "engine-$id" 150 tests/gpu/test_ddtree_engine_gpu.py "$id"
+  done
+  step serve 240 python3 -m pytest -q -rA tests/gpu/test_serve_gpu.py
   step hybrid-engine 300 python3 -m pytest -q -rA tests/gpu/test_ddtree_hybrid_gpu.py
   ;;
 kernels)
