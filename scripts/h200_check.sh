@@ -72,13 +72,17 @@ kernels)
     --out "$out/hybrid_verify.json"
   ;;
 e2e-8b)
-  step e2e-8b 560 python3 benchmarks/bench_e2e.py --out /tmp/e2e-8b \
+  step e2e-8b 380 python3 benchmarks/bench_e2e.py --out /tmp/e2e-8b \
     --target benchmarks/configs/qwen3-8b --drafter benchmarks/configs/qwen3-8b-dflash \
     --load-format dummy --methods nospec,dflash,ddtree --budgets 64 --fixed-budget \
-    --batch-sizes 1,16 --temperatures 0 --prompt-len 1024 --max-tokens 64 \
-    --job-timeout 200
+    --batch-sizes 1,16 --temperatures 0 --prompt-len 768 --max-tokens 64 \
+    --job-timeout 170
   cp /tmp/e2e-8b/results.json "$out/e2e-8b.json"
   cp /tmp/e2e-8b/table.md "$out/e2e-8b.md"
+  step profile-8b 200 python3 benchmarks/profile_ddtree_step.py --out /tmp/prof-8b \
+    --target benchmarks/configs/qwen3-8b --drafter benchmarks/configs/qwen3-8b-dflash \
+    --budget 64
+  tar czf "$out/profile-8b.tgz" -C /tmp prof-8b
   ;;
 train)
   step train 560 python3 -m vllm_ddtree.training.train_pair --preset h200 \

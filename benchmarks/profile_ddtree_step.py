@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where does a DDTree step's time go? One in-process engine, profiled.
+
+Runs one engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
+model runner's Python is visible), warms up on the exact request shape, then
+times a decode of ``--max-tokens`` tokens and profiles a second one twice:
+
+* ``cprofile.txt``: Python time by function (host-side overhead, syncs);
+* ``kernels.txt``: the torch profiler's per-op table sorted by device time,
+  then by host time (launch counts show per-layer / per-depth loops).
+
+Dummy weights (``--load-format dummy``) accept nothing, so every step is a
+full-budget DDTree step: the measure of its fixed cost. ``--budget 0`` runs
+the same engine without speculation for comparison.
+
+    python benchmarks/profile_ddtree_step.py --out /tmp/prof \\
+        --target benchmarks/configs/qwen3-8b \\
+        --drafter benchmarks/configs/qwen3-8b-dflash --budget 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--budget", type=int, default=64, help="0: no speculation")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=768)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = None
+    if args.budget:
+        spec = {
+            "method": "ddtree",
+            "model": args.drafter,
+            "num_speculative_tokens": args.budget,
+            "ddtree": {"adaptive_budget": False},
+        }
+    llm = LLM(
+        model=args.target,
+        load_format=args.load_format,
+        skip_tokenizer_init=args.load_format == "dummy",
+        max_model_len=args.prompt_len + args.max_tokens + args.budget + 16,
+        max_num_seqs=max(args.batch, 4),
+        gpu_memory_utilization=0.85,
+        speculative_config=spec,
+        async_scheduling=False,
+    )
+    prompts = [
+        TokensPrompt(
+            prompt_token_ids=[(7 * i + 13 * r) % 1000 + 5 for i in range(args.prompt_len)]
+        )
+        for r in range(args.batch)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    def decode() -> None:
+        llm.generate(prompts, params, use_tqdm=False)
+
+    decode()  # warm-up on the exact shape
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    decode()
+    seconds = time.perf_counter() - start
+    steps = args.max_tokens + 1  # zero acceptance: one token a step, + prefill
+    summary = {
+        "budget": args.budget,
+        "batch": args.batch,
+        "seconds": seconds,
+        "ms_per_step": 1e3 * seconds / steps,
+    }
+    print(json.dumps(summary), flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    decode()
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)
+    (args.out / "cprofile.txt").write_text(text.getvalue())
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        decode()
+    averages = p.key_averages()
+    (args.out / "kernels.txt").write_text(
+        averages.table(sort_by="cuda_time_total", row_limit=40)
+        + "\n\n"
+        + averages.table(sort_by="cpu_time_total", row_limit=40)
+    )
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()
