@@ -68,10 +68,9 @@ def main() -> None:
         async_scheduling=False,
     )
     prompts = [
-        TokensPrompt(
-            prompt_token_ids=[(7 * i + 13 * r) % 1000 + 5 for i in range(args.prompt_len)]
-        )
+        TokensPrompt(prompt_token_ids=[(7 * i + 13 * r) % 1000 + 5 for i in steps])
         for r in range(args.batch)
+        for steps in [range(args.prompt_len)]
     ]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
