@@ -67,10 +67,10 @@ def main() -> None:
         speculative_config=spec,
         async_scheduling=False,
     )
+    length = range(args.prompt_len)
     prompts = [
-        TokensPrompt(prompt_token_ids=[(7 * i + 13 * r) % 1000 + 5 for i in steps])
+        TokensPrompt(prompt_token_ids=[(7 * i + 13 * r) % 1000 + 5 for i in length])
         for r in range(args.batch)
-        for steps in [range(args.prompt_len)]
     ]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
