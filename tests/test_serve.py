@@ -18,7 +18,7 @@ import openai
 import pytest
 import requests
 
-from tests.utils import OpenAIServer
+from tests.utils import OpenAIServer, chat_once_and_streamed
 
 pytestmark = pytest.mark.slow
 
@@ -66,14 +66,7 @@ def test_completions_stream_and_budget(server):
 
 
 def test_chat_stream(server):
-    client = _client(server)
-    messages = [{"role": "user", "content": "hello there"}]
-    kwargs = dict(model="tiny", messages=messages, max_tokens=16, temperature=0)
-    full = client.chat.completions.create(**kwargs).choices[0].message.content
-    streamed = "".join(
-        chunk.choices[0].delta.content or ""
-        for chunk in client.chat.completions.create(**kwargs, stream=True)
-    )
+    full, streamed = chat_once_and_streamed(server)
     assert full and streamed == full
 
 

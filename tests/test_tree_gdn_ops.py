@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.utils import interpreted_case
 from vllm_ddtree.v1.ops.tree_gdn import (
     commit_tree_state,
     tree_causal_conv1d_update,
@@ -452,9 +453,7 @@ def interp_results() -> dict[str, dict]:
 
 @pytest.mark.parametrize("name", list(INTERP_CASES))
 def test_triton_kernels_interpreted(interp_results, name):
-    rec = interp_results.get(name)
-    assert rec is not None, interp_results["__stderr__"]["text"]
-    assert "error" not in rec, rec["error"]
+    rec = interpreted_case(interp_results, name)
     tol = rec.pop("tol")
     rec.pop("name")
     assert max(rec.values()) < tol, rec

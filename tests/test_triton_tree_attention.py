@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from tests.utils import interpreted_case
 from vllm_ddtree.v1.attention.ops.tree_attention_ref import (
     tree_attention_reference,
     unpack_tree_mask,
@@ -400,9 +401,7 @@ def interp_results() -> dict[str, dict]:
 
 @pytest.mark.parametrize("name", [*CASES, *TREE_ONLY_CASES])
 def test_triton_kernel_interpreted(interp_results, name):
-    rec = interp_results.get(name)
-    assert rec is not None, interp_results["__stderr__"]["text"]
-    assert "error" not in rec, rec["error"]
+    rec = interpreted_case(interp_results, name)
     assert rec["finite"], rec
     assert rec["untouched_nan"], rec
     assert rec["rel_err"] < rec["tol"], rec

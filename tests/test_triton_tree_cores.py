@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+from tests.utils import interpreted_case
+
 # name -> (requests, max nodes incl. root, max depth, seed)
 CASES: dict[str, tuple[int, int, int, int]] = {
     "single-root": (1, 1, 15, 0),
@@ -188,9 +190,7 @@ def interp_results() -> dict[str, dict]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_tree_cores_interpreted(interp_results, name):
-    rec = interp_results.get(name)
-    assert rec is not None, interp_results["__stderr__"]["text"]
-    assert "error" not in rec, rec["error"]
+    rec = interpreted_case(interp_results, name)
     assert rec["walk_equal"], rec
     assert rec["out_equal"], rec
     assert rec["mask_equal"], rec
@@ -198,16 +198,12 @@ def test_triton_tree_cores_interpreted(interp_results, name):
 
 @pytest.mark.parametrize("name", list(BUILD_CASES))
 def test_triton_tree_build_interpreted(interp_results, name):
-    rec = interp_results.get(name)
-    assert rec is not None, interp_results["__stderr__"]["text"]
-    assert "error" not in rec, rec["error"]
+    rec = interpreted_case(interp_results, name)
     assert all(rec["fields_equal"].values()), rec
 
 
 def test_compile_variants_interpreted(interp_results):
-    rec = interp_results.get("compile-variants")
-    assert rec is not None, interp_results["__stderr__"]["text"]
-    assert "error" not in rec, rec["error"]
+    rec = interpreted_case(interp_results, "compile-variants")
     # 2 q heads per KV head, up to 70 nodes: 140 rows -> every query tile.
     tiles = [16, 32, 64, 128, 256]
     assert rec["attention_variants"] == [[m, s] for m in tiles for s in (False, True)]

@@ -255,3 +255,28 @@ def run_interpreter_worker(test_file: str, timeout: float) -> dict[str, dict]:
         pytest.fail(f"interpreter worker failed:\n{proc.stderr[-4000:]}")
     results["__stderr__"] = {"text": proc.stderr[-4000:]}
     return results
+
+
+def interpreted_case(results: dict[str, dict], name: str) -> dict:
+    """The record of case ``name`` from :func:`run_interpreter_worker`,
+    failing with the worker's stderr if it is missing or raised."""
+    rec = results.get(name)
+    assert rec is not None, results["__stderr__"]["text"]
+    assert "error" not in rec, rec["error"]
+    return rec
+
+
+def chat_once_and_streamed(base_url: str) -> tuple[str, str]:
+    """One greedy chat completion from an OpenAI-compatible server, and the
+    same request streamed (the concatenated deltas)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none")
+    messages = [{"role": "user", "content": "hello there"}]
+    kwargs = dict(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(**kwargs, stream=True)
+    )
+    return full, streamed

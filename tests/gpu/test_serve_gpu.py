@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from tests.utils import OpenAIServer
+from tests.utils import OpenAIServer, chat_once_and_streamed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -64,12 +64,5 @@ def test_serve_ddtree_equals_no_spec(fixtures):
     with OpenAIServer(fixtures.dense_target, _serve_args(spec)) as srv:
         assert _completions(srv.url, stream=False) == expected
         assert _completions(srv.url, stream=True) == expected
-        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")
-        messages = [{"role": "user", "content": "hello there"}]
-        kwargs = dict(model="tiny", messages=messages, max_tokens=16, temperature=0)
-        full = client.chat.completions.create(**kwargs).choices[0].message.content
-        streamed = "".join(
-            c.choices[0].delta.content or ""
-            for c in client.chat.completions.create(**kwargs, stream=True)
-        )
+        full, streamed = chat_once_and_streamed(srv.url)
         assert full and streamed == full
