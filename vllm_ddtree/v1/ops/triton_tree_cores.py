@@ -247,6 +247,13 @@ def _sortable(key, index, max_index):
 
 
 @triton.jit
+def _low_word(packed):
+    """The low 32 bits of an int64, as a non-negative int64 (the index part
+    of :func:`_sortable`)."""
+    return packed - ((packed >> 32) << 32)
+
+
+@triton.jit
 def _child_keys(
     depth_logprobs,
     parent_keys,
@@ -338,7 +345,7 @@ def _build_kernel(
         order = tl.sort(packed, descending=True)
         # The depth's winners, best first: recompute their keys and scores
         # with the same float operations.
-        win = (budget * width - (order & 0xFFFFFFFF)).to(tl.int32)
+        win = (budget * width - _low_word(order)).to(tl.int32)
         wi = win // width
         wj = win - wi * width
         keep = rank < count
@@ -381,7 +388,7 @@ def _build_kernel(
     packed = _sortable(all_keys, t, TP)
     packed = tl.where(have, packed, -9223372036854775807 - 1)
     order = tl.sort(packed, descending=True)
-    sel = (TP - (order & 0xFFFFFFFF)).to(tl.int32)
+    sel = (TP - _low_word(order)).to(tl.int32)
     b = tl.arange(0, TP)
     chosen = b < budget
     tl.store(scr_node + sel, b + 1, mask=chosen)
