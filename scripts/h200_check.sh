@@ -2,11 +2,12 @@
 # Everything we check on the H200, in as few device calls as possible.
 #
 # On the device machine, after staging vLLM there (../shared/device/README.md):
-#   bash scripts/h200_check.sh tests   # kernels + dense engines (~9 min)
+#   bash scripts/h200_check.sh tests   # kernel tests: attention, GDN, cores (~5 min)
+#   bash scripts/h200_check.sh engines # dense engines, greedy == no-spec (~8 min)
 #   bash scripts/h200_check.sh serve-hybrid  # more engines, OpenAI server, hybrid (~9 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
-#   bash scripts/h200_check.sh profile # kernel tests, tree-cores bench, one DDTree step profiled (~8 min)
+#   bash scripts/h200_check.sh profile # one DDTree step of dummy Qwen3-8B profiled (~7 min)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
 #   bash scripts/h200_check.sh e2e     # no-spec / dflash / ddtree on that pair (~9 min)
 # (train and e2e must run back to back: /tmp survives only while the machine
@@ -16,7 +17,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|serve-hybrid|kernels|e2e-8b|profile|train|e2e}
+mode=${1:?usage: h200_check.sh tests|engines|serve-hybrid|kernels|e2e-8b|profile|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -49,12 +50,13 @@ engine_test() {  # one pytest id of an engine test file, alone in its process
 }
 
 kernel_tests() {
-  step kernels 240 python3 -m pytest -q -rf tests/gpu/test_tree_attention_gpu.py \
-    tests/gpu/test_tree_gdn_gpu.py tests/gpu/test_tree_cores_gpu.py
+  step kernels 400 python3 -m pytest -q -rf --durations=15 \
+    tests/gpu/test_tree_attention_gpu.py tests/gpu/test_tree_gdn_gpu.py \
+    tests/gpu/test_tree_cores_gpu.py
 }
 
 profile_8b() {  # one DDTree B=64 engine, a step timed and profiled
-  step profile-8b 220 python3 benchmarks/profile_ddtree_step.py --out /tmp/prof-8b \
+  step profile-8b 420 python3 benchmarks/profile_ddtree_step.py --out /tmp/prof-8b \
     --target benchmarks/configs/qwen3-8b --drafter benchmarks/configs/qwen3-8b-dflash \
     --budget 64
   tar czf "$out/profile-8b.tgz" -C /tmp prof-8b
@@ -63,10 +65,12 @@ profile_8b() {  # one DDTree B=64 engine, a step timed and profiled
 case $mode in
 tests)
   kernel_tests
+  ;;
+engines)
   # The first engine of a fresh machine also pays vLLM's kernel JIT.
-  engine_test engine-False-16-8 240 tests/gpu/test_ddtree_engine_gpu.py False-16-8
+  engine_test engine-False-16-8 220 tests/gpu/test_ddtree_engine_gpu.py False-16-8
   for id in True-16-8 True-32-64 False-16-64; do
-    engine_test "engine-$id" 120 tests/gpu/test_ddtree_engine_gpu.py "$id"
+    engine_test "engine-$id" 110 tests/gpu/test_ddtree_engine_gpu.py "$id"
   done
   ;;
 serve-hybrid)
@@ -91,11 +95,8 @@ e2e-8b)
     --job-timeout 170
   cp /tmp/e2e-8b/results.json "$out/e2e-8b.json"
   cp /tmp/e2e-8b/table.md "$out/e2e-8b.md"
-  profile_8b
   ;;
 profile)
-  kernel_tests
-  step tree-cores 90 python3 benchmarks/bench_tree_cores.py --out "$out/tree_cores.json"
   profile_8b
   ;;
 train)

@@ -115,10 +115,12 @@ def make_gdn_batch(
     num_tokens = sum(sizes)
     h, hv = heads
     dk, dv = head_dims
-    num_slots = len(sizes) * (num_spec + 1) + spare_slots
-    perm = torch.randperm(num_slots, generator=gen)
+    # Slot 0 is vLLM's null block (its FLA kernels skip it), so no request
+    # gets it: the state tensors have one row more than the slots handed out.
+    num_slots = len(sizes) * (num_spec + 1) + spare_slots + 1
+    perm = torch.randperm(num_slots - 1, generator=gen) + 1
     state_indices = perm[: len(sizes) * (num_spec + 1)].view(len(sizes), num_spec + 1)
-    conv_slots = torch.randperm(num_slots, generator=gen)[: len(sizes)]
+    conv_slots = torch.randperm(num_slots - 1, generator=gen)[: len(sizes)] + 1
 
     def rnd(*shape: int, std: float = 1.0) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std

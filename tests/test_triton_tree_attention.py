@@ -358,11 +358,13 @@ TREE_ONLY_CASES = {"tree-only-fp32": "float32", "tree-only-bf16": "bfloat16"}
 TREE_ONLY_ROWS = [(9, 32), (33, 16), (1, 48), (17, 0)]
 
 
-def _check_tree_only(attn_fn, dtype: torch.dtype) -> dict:
+def _check_tree_only(
+    attn_fn, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> dict:
     page = 16
     batch = make_batch(
         TREE_ONLY_ROWS, page=page, num_q_heads=4, num_kv_heads=2, head_dim=32,
-        dtype=dtype, seed=7,
+        dtype=dtype, device=device, seed=7,
     )  # fmt: skip
     shifted = torch.zeros_like(batch.block_table)
     for r, (_, ctx) in enumerate(TREE_ONLY_ROWS):
@@ -379,8 +381,8 @@ def _check_tree_only(attn_fn, dtype: torch.dtype) -> dict:
     lse = attn_fn(*batch.args(out), True, max_ctx_len=48, tree_only=True)
     ref = batch.poisoned_out()
     ref_lse = tree_attention_reference(*cut.args(ref), True)
-    idx = torch.tensor(batch.tree_tokens)
-    untouched = torch.ones(out.shape[0], dtype=torch.bool)
+    idx = torch.tensor(batch.tree_tokens, device=device)
+    untouched = torch.ones(out.shape[0], dtype=torch.bool, device=device)
     untouched[idx] = False
     o, r = out[idx].double(), ref[idx].double()
     return {

@@ -194,7 +194,7 @@ def test_cuda_graph_replay():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tree_only_pass(dtype):
     """The tree-only pass equals the reference with the context cut off."""
-    res = H._check_tree_only(_kernel(), dtype)
+    res = H._check_tree_only(_kernel(), dtype, "cuda")
     assert res["finite"] and res["untouched_nan"], res
     assert res["rel_err"] < res["tol"], res
     assert res["lse_err"] < 1e-2, res

@@ -73,8 +73,11 @@ class DDTreeWorkerMixin:
         return available
 
     def compile_or_warm_up_model(self):
-        times = super().compile_or_warm_up_model()
+        # Before vLLM's warm-up, which ends by arming its JIT monitor: the
+        # tree kernels' compiles belong to start-up, not to serving. The KV
+        # caches they run on are allocated by now.
         self.model_runner.warm_up_tree_kernels()
+        times = super().compile_or_warm_up_model()
         # After CUDA-graph capture, so the model times what decoding runs.
         if self.model_runner.ddtree.adaptive_budget:
             self.model_runner.measure_verify_latency()
