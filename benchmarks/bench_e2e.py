@@ -398,6 +398,10 @@ def _engine_settings(args) -> dict:
     }
     if args.load_format == "dummy":
         settings["skip_tokenizer_init"] = True
+    if args.max_cudagraph_capture_size:
+        settings["compilation_config"] = {
+            "max_cudagraph_capture_size": args.max_cudagraph_capture_size
+        }
     return settings
 
 
@@ -432,6 +436,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--gpu-memory-utilization", type=float)
     ap.add_argument("--enforce-eager", action="store_true", help="(always on CPU)")
+    ap.add_argument(
+        "--max-cudagraph-capture-size",
+        type=int,
+        help="vLLM's compilation_config field, for every method (default: vLLM's, "
+        "at most 512 tokens; a batch of B-node trees needs batch * (1 + B) to "
+        "replay as one full graph)",
+    )
     ap.add_argument("--job-timeout", type=int, default=540, help="seconds/engine")
     ap.add_argument(
         "--fixed-budget",

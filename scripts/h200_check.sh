@@ -4,6 +4,7 @@
 # On the device machine, after staging vLLM there (../shared/device/README.md):
 #   bash scripts/h200_check.sh tests   # kernel tests: attention, GDN, cores (~5 min)
 #   bash scripts/h200_check.sh engines # dense engines, greedy == no-spec (~8 min)
+#   bash scripts/h200_check.sh graphs  # full CUDA graphs: kernel under capture, graph engines (~5 min)
 #   bash scripts/h200_check.sh serve-hybrid  # more engines, OpenAI server, hybrid (~9 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
@@ -17,7 +18,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|serve-hybrid|kernels|e2e-8b|profile|train|e2e}
+mode=${1:?usage: h200_check.sh tests|engines|graphs|serve-hybrid|kernels|e2e-8b|profile|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -73,6 +74,14 @@ engines)
     engine_test "engine-$id" 110 tests/gpu/test_ddtree_engine_gpu.py "$id"
   done
   ;;
+graphs)
+  step graph-kernels 120 python3 -m pytest -q -rf tests/gpu/test_tree_attention_gpu.py \
+    -k "cuda_graph"
+  engine_test engine-False-16-8 220 tests/gpu/test_ddtree_engine_gpu.py False-16-8
+  engine_test engine-False-16-64 110 tests/gpu/test_ddtree_engine_gpu.py False-16-64
+  engine_test engine-small_max_num_seqs 110 tests/gpu/test_ddtree_engine_gpu.py \
+    small_max_num_seqs
+  ;;
 serve-hybrid)
   for id in small_max_num_seqs stock_dflash; do
     engine_test "engine-$id" 150 tests/gpu/test_ddtree_engine_gpu.py "$id"
@@ -92,7 +101,7 @@ e2e-8b)
     --target benchmarks/configs/qwen3-8b --drafter benchmarks/configs/qwen3-8b-dflash \
     --load-format dummy --methods nospec,dflash,ddtree --budgets 64 --fixed-budget \
     --batch-sizes 1,16 --temperatures 0 --prompt-len 768 --max-tokens 64 \
-    --job-timeout 170
+    --max-cudagraph-capture-size 1040 --job-timeout 170
   cp /tmp/e2e-8b/results.json "$out/e2e-8b.json"
   cp /tmp/e2e-8b/table.md "$out/e2e-8b.md"
   ;;

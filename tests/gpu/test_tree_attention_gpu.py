@@ -191,6 +191,62 @@ def test_cuda_graph_replay():
     assert float((o - r).norm() / r.norm()) < H.TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("num_nodes", [9, 65])
+def test_uniform_tree_buffers_under_cuda_graph(num_nodes):
+    """The full-graph path of uniform batches: capture with the buffers'
+    chain masks (as vLLM's capture does), then let the builder's ``fill``
+    write real trees and contexts into the same buffers, replay, compare."""
+    from vllm_ddtree.v1.attention.backends.tree_attn import (
+        TreeAttentionInfo,
+        UniformTreeBuffers,
+    )
+
+    n, ctx = num_nodes, [700, 0, 2100]
+    b = H.make_batch(
+        [(n, c) for c in ctx], page=16, num_q_heads=32, num_kv_heads=8,
+        head_dim=128, dtype=torch.bfloat16, device="cuda", seed=5, interleave=False,
+    )  # fmt: skip
+    buffers = UniformTreeBuffers(4, n, 4096, torch.device("cuda"))
+    seq_lens = torch.tensor([c + n for c in ctx] + [0], device="cuda").int()
+    # One padding row, as in a replay of a graph captured for 4 requests.
+    table = torch.cat([b.block_table, torch.zeros_like(b.block_table[:1])])
+    query = torch.cat([b.query, torch.zeros_like(b.query[:n])])
+    out = torch.full_like(query, float("nan"))
+
+    def run(info: TreeAttentionInfo) -> None:
+        packed, starts = info.packed_mask
+        _kernel()(
+            query, b.key_cache, b.value_cache, out, table, info.q_start,
+            info.num_nodes, info.ctx_len, starts, packed, b.scale, n,
+            max_ctx_len=info.max_ctx_len,
+        )  # fmt: skip
+
+    chain = buffers.fill(4, seq_lens, None)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run(chain)  # warm-up / compile
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run(chain)
+    published = TreeAttentionInfo(
+        req_rows=b.q_start, q_start=b.q_start, num_nodes=b.num_nodes,
+        ctx_len=b.ctx_len, parents=b.q_start[:, None], max_depth=n - 1,
+        req_rows_cpu=[0, 1, 2], q_start_cpu=[0, n, 2 * n], num_nodes_cpu=[n] * 3,
+        ctx_len_cpu=ctx, covers_batch=True, packed=(b.tree_mask, b.mask_row_start),
+    )  # fmt: skip
+    buffers.fill(4, seq_lens, published)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = b.poisoned_out()
+    H.tree_attention_reference(*b.args(ref))
+    o, r = out[: 3 * n].double(), ref.double()
+    assert float((o - r).norm() / r.norm()) < H.TOL[torch.bfloat16]
+    assert torch.isfinite(out[3 * n :]).all()  # the padding row
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tree_only_pass(dtype):
     """The tree-only pass equals the reference with the context cut off."""

@@ -9,10 +9,13 @@ attends to its request's whole paged context plus its ancestors and itself.
 The plugin selects it (as ``CUSTOM``) for ``method: "ddtree"`` targets only;
 the DFlash drafter keeps vLLM's own backend.
 
-The tree metadata is host-built per step, so the builder declares CUDA-graph
-support only for single-token decode batches: verify batches then run with
-piecewise graphs, attention eager. A batch made only of trees skips
-FlashAttention: one Triton launch per layer.
+CUDA graphs: batches of equal trees (every request verifies
+``1 + num_speculative_tokens`` nodes, the steady state with a fixed budget)
+are what vLLM captures as full graphs (``UNIFORM_BATCH`` support): their
+tree inputs live in :class:`~.tree_attn.UniformTreeBuffers`, refilled by the
+builder every step. Other verify batches (mixed with prefills, or trees cut
+by adaptive budgets) run with piecewise graphs, attention eager. A batch
+made only of trees skips FlashAttention: one Triton launch per layer.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
+from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import (
     PagedKVLayout,
     TreeAttentionImplMixin,
     TreeMetadataBuilderMixin,
+    UniformTreeBuffers,
 )
 from vllm_ddtree.v1.attention.ops.triton_tree_attention import (
     compile_variants,
@@ -41,7 +46,41 @@ _LAYOUTS: dict[tuple, PagedKVLayout] = {}
 class FlashTreeAttentionMetadataBuilder(
     TreeMetadataBuilderMixin, FlashAttentionMetadataBuilder
 ):
-    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+    # vLLM would reuse one group's metadata for another by swapping in the
+    # block table; the tree rows' own table must follow, so build each.
+    supports_update_block_table = False
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.uniform_trees: UniformTreeBuffers | None = None
+        if get_ddtree_config(vllm_config) is not None:
+            # A padded graph batch has at most one request per token.
+            max_reqs = max(
+                vllm_config.scheduler_config.max_num_seqs,
+                vllm_config.compilation_config.max_cudagraph_capture_size or 0,
+            )
+            self.uniform_trees = UniformTreeBuffers(
+                max_reqs,
+                1 + vllm_config.speculative_config.num_speculative_tokens,
+                vllm_config.model_config.max_model_len,
+                device,
+            )
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        cm = common_attn_metadata
+        metadata = super().build(common_prefix_len, cm, fast_build)
+        if (
+            self.uniform_trees is not None
+            and cm.causal is True
+            and self.uniform_trees.matches(cm.query_start_loc_cpu)
+        ):
+            metadata.tree = self.uniform_trees.fill(
+                cm.num_reqs, cm.seq_lens, metadata.tree
+            )
+            # Rows are the batch's requests in order: vLLM's persistent table.
+            metadata.tree_block_table = metadata.block_table
+        return metadata
 
 
 def slot_rows(kv_cache: torch.Tensor) -> torch.Tensor | None:

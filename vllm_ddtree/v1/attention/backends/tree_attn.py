@@ -7,6 +7,9 @@
   tree backends' metadata builders pick it up with :func:`current_tree`.
   vLLM's V1 builders only receive a ``CommonAttentionMetadata``, so this
   per-process side channel is the least invasive way in.
+* :class:`UniformTreeBuffers` holds the tree inputs at fixed device
+  addresses for batches of equal trees, the shape vLLM replays as one full
+  CUDA graph.
 * :class:`PagedKVLayout` knows where the key and value of a (block, offset)
   live inside one layer's KV-cache tensor, so tree attention can gather the
   context and the runner can move accepted-path KV between slots, for any
@@ -45,6 +48,12 @@ class TreeAttentionInfo:
         max_depth: bound on every node's depth.
         covers_batch: every token of the batch is a tree node, so the
             backend's stock kernel has nothing left to do.
+        ctx_len_bound: set for batches built without a host copy of the
+            context lengths (:class:`UniformTreeBuffers`): the bound that
+            stands in for ``max(ctx_len_cpu)``, whose entries are then this
+            bound too.
+        packed: the packed ancestor masks, when they live in buffers of
+            their own (see :attr:`packed_mask`).
     """
 
     req_rows: torch.Tensor
@@ -58,6 +67,8 @@ class TreeAttentionInfo:
     num_nodes_cpu: list[int]
     ctx_len_cpu: list[int]
     covers_batch: bool = False
+    ctx_len_bound: int | None = None
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @functools.cached_property
     def max_nodes(self) -> int:
@@ -65,6 +76,8 @@ class TreeAttentionInfo:
 
     @functools.cached_property
     def max_ctx_len(self) -> int:
+        if self.ctx_len_bound is not None:
+            return self.ctx_len_bound
         return max(self.ctx_len_cpu)
 
     @functools.cached_property
@@ -78,6 +91,8 @@ class TreeAttentionInfo:
         """The ancestor masks bit-packed for the Triton kernel, with each
         request's first mask row (see :func:`pack_ancestor_mask`). Built on
         first use, once per step; on a GPU in one launch from ``parents``."""
+        if self.packed is not None:
+            return self.packed
         if not self.parents.is_cuda:
             return pack_ancestor_mask(self.mask, self.num_nodes_cpu)
         # Imported here: only GPU processes need Triton.
@@ -109,6 +124,101 @@ def publish_tree(info: TreeAttentionInfo | None) -> Iterator[None]:
 def current_tree() -> TreeAttentionInfo | None:
     """The tree published for the metadata being built, if any."""
     return _current_tree
+
+
+class UniformTreeBuffers:
+    """Tree-attention inputs at fixed device addresses for *uniform* batches:
+    every request runs a query of exactly ``num_nodes`` tokens
+    (``1 + num_speculative_tokens``), which is the batch shape vLLM captures
+    and replays as one full CUDA graph.
+
+    A replayed graph runs no Python: the attention kernel reads whatever the
+    captured addresses hold. So :meth:`fill` (called by the metadata builder,
+    outside the graph, every step) writes this step's context lengths and
+    ancestor masks into the same buffers the capture used, and the kernel
+    launch depends on nothing else that changes between steps (the rows'
+    query offsets are ``r * num_nodes``; the split-KV factor follows from
+    ``ctx_len_bound``, not from this step's contexts).
+
+    A uniform batch without a published tree (e.g. equal prefill chunks of
+    ``num_nodes`` tokens, or the capture itself) is a batch of chains: the
+    chain mask is causal attention. Rows of graph padding (requests with no
+    query tokens) keep a valid mask and a non-negative context, so their
+    discarded outputs stay finite.
+    """
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        num_nodes: int,
+        ctx_len_bound: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.num_nodes = num_nodes
+        self.ctx_len_bound = ctx_len_bound
+        rows = torch.arange(max_num_reqs, dtype=torch.int32, device=device)
+        self.req_rows = rows
+        self.q_start = rows * num_nodes
+        self.node_counts = torch.full_like(rows, num_nodes)
+        self.ctx_len = torch.zeros_like(rows)
+        chain = torch.arange(num_nodes, device=device) - 1
+        self.chain_parents = chain.expand(max_num_reqs, num_nodes).contiguous()
+        causal = torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=device)
+        causal = causal.tril().expand(max_num_reqs, num_nodes, num_nodes)
+        self.chain_mask, _ = pack_ancestor_mask(causal, [num_nodes] * max_num_reqs)
+        self.mask = self.chain_mask.clone()
+
+    def matches(self, query_start_loc_cpu: torch.Tensor) -> bool:
+        """Whether a batch (its host query offsets) is uniform: every query
+        is ``num_nodes`` tokens long, bar empty padding requests."""
+        lens = np.diff(query_start_loc_cpu.numpy())
+        return (
+            0 < len(lens) <= self.max_num_reqs
+            and int(lens.max()) == self.num_nodes
+            and bool(np.all((lens == self.num_nodes) | (lens == 0)))
+        )
+
+    def fill(
+        self,
+        num_reqs: int,
+        seq_lens: torch.Tensor,
+        tree: TreeAttentionInfo | None,
+    ) -> TreeAttentionInfo:
+        """Write a uniform batch's inputs into the buffers and describe it.
+
+        ``seq_lens`` (``[num_reqs]``, device) counts each request's context
+        plus its query; ``tree`` is the step's published tree, which must
+        then cover the batch with trees of ``num_nodes`` nodes.
+        """
+        n = self.num_nodes
+        ctx = self.ctx_len[:num_reqs]
+        torch.sub(seq_lens[:num_reqs], n, out=ctx)
+        ctx.clamp_(min=0)
+        if tree is None:
+            self.mask[: num_reqs * n].copy_(self.chain_mask[: num_reqs * n])
+            parents, max_depth = self.chain_parents[:num_reqs], n - 1
+        else:
+            if not tree.covers_batch or set(tree.num_nodes_cpu) != {n}:
+                raise ValueError("the published trees do not make a uniform batch")
+            packed, _ = tree.packed_mask
+            self.mask[: packed.shape[0]].copy_(packed)
+            parents, max_depth = tree.parents, tree.max_depth
+        return TreeAttentionInfo(
+            req_rows=self.req_rows[:num_reqs],
+            q_start=self.q_start[:num_reqs],
+            num_nodes=self.node_counts[:num_reqs],
+            ctx_len=ctx,
+            parents=parents,
+            max_depth=max_depth,
+            req_rows_cpu=list(range(num_reqs)),
+            q_start_cpu=list(range(0, num_reqs * n, n)),
+            num_nodes_cpu=[n] * num_reqs,
+            ctx_len_cpu=[self.ctx_len_bound] * num_reqs,
+            covers_batch=True,
+            ctx_len_bound=self.ctx_len_bound,
+            packed=(self.mask[: num_reqs * n], self.q_start[:num_reqs]),
+        )
 
 
 class TreeMetadataBuilderMixin:

@@ -36,12 +36,14 @@ from typing import Any
 
 import torch
 from vllm.forward_context import get_forward_context
+from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.gdn_attn import (
     GDNAttentionBackend,
     GDNAttentionMetadata,
     GDNAttentionMetadataBuilder,
 )
 
+from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import current_tree
 from vllm_ddtree.v1.ops.tree_gdn import commit_tree_state
 
@@ -60,6 +62,15 @@ class GDNTree:
 
 class TreeGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
     """vLLM's GDN builder plus the published tree (``metadata.tree``)."""
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # The trees' parents are per-step tensors, not buffers a full CUDA
+        # graph could replay: under DDTree, hybrid verify batches run with
+        # piecewise graphs (vLLM takes the lowest support of all groups).
+        if get_ddtree_config(vllm_config) is not None:
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return super().get_cudagraph_support(vllm_config, kv_cache_spec)
 
     def build(self, *args: Any, **kwargs: Any) -> GDNAttentionMetadata:
         metadata = super().build(*args, **kwargs)

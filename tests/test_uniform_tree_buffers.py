@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Uniform tree batches (the full-CUDA-graph shape): the builder's fixed
+buffers describe the same trees as the runner's per-step metadata, keep
+their addresses from step to step, and give the same attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_ddtree.v1.attention.backends.tree_attn import (
+    PagedKVLayout,
+    TreeAttentionInfo,
+    UniformTreeBuffers,
+    pack_ancestor_mask,
+    torch_tree_attention,
+)
+
+N = 7  # nodes per tree (1 + num_speculative_tokens)
+PAGE = 4
+
+
+def _random_parents(num_reqs: int, gen: torch.Generator) -> torch.Tensor:
+    parents = torch.full((num_reqs, N), -1, dtype=torch.int64)
+    for i in range(1, N):
+        parents[:, i] = torch.randint(0, i, (num_reqs,), generator=gen)
+    return parents
+
+
+def _depth_bound(parents: torch.Tensor) -> int:
+    depth = torch.zeros_like(parents)
+    for i in range(1, N):
+        depth[:, i] = depth.gather(1, parents[:, i : i + 1]).squeeze(1) + 1
+    return int(depth.max())
+
+
+def _published(parents: torch.Tensor, ctx: list[int]) -> TreeAttentionInfo:
+    """The runner's per-step metadata for a batch made of these trees."""
+    num_reqs = parents.shape[0]
+    q_start = [r * N for r in range(num_reqs)]
+    as_i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    return TreeAttentionInfo(
+        req_rows=as_i32(list(range(num_reqs))),
+        q_start=as_i32(q_start),
+        num_nodes=as_i32([N] * num_reqs),
+        ctx_len=as_i32(ctx),
+        parents=parents,
+        max_depth=_depth_bound(parents),
+        req_rows_cpu=list(range(num_reqs)),
+        q_start_cpu=q_start,
+        num_nodes_cpu=[N] * num_reqs,
+        ctx_len_cpu=ctx,
+        covers_batch=True,
+    )
+
+
+def _seq_lens(ctx: list[int], padding: int) -> torch.Tensor:
+    # vLLM's padded graph rows have empty queries and zero lengths.
+    return torch.tensor([c + N for c in ctx] + [0] * padding, dtype=torch.int32)
+
+
+def test_matches_uniform_batches_only():
+    buffers = UniformTreeBuffers(4, N, 64, torch.device("cpu"))
+
+    def offsets(*lens: int) -> torch.Tensor:
+        return torch.tensor([0, *lens]).cumsum(0)
+
+    assert buffers.matches(offsets(N, N, N))
+    assert buffers.matches(offsets(N, N, 0, 0))  # graph padding
+    assert not buffers.matches(offsets(N, 1))  # a plain decode next to a tree
+    assert not buffers.matches(offsets(N - 1, N - 1))  # adaptive cut trees
+    assert not buffers.matches(offsets(N, 2 * N))  # a prefill chunk
+    assert not buffers.matches(offsets(*[N] * 5))  # more rows than buffers
+    assert not buffers.matches(offsets())
+
+
+def test_fill_matches_runner_metadata_and_keeps_addresses():
+    gen = torch.Generator().manual_seed(0)
+    buffers = UniformTreeBuffers(5, N, 64, torch.device("cpu"))
+    addresses = [t.data_ptr() for t in (buffers.mask, buffers.ctx_len)]
+    for step in range(3):
+        parents = _random_parents(3, gen)
+        ctx = torch.randint(0, 40, (3,), generator=gen).tolist()
+        tree = _published(parents, ctx)
+        info = buffers.fill(5, _seq_lens(ctx, padding=2), tree)
+        assert [t.data_ptr() for t in (buffers.mask, buffers.ctx_len)] == addresses
+        assert info.ctx_len.tolist() == ctx + [0, 0], step
+        assert info.q_start.tolist() == [r * N for r in range(5)]
+        assert info.num_nodes.tolist() == [N] * 5
+        assert info.max_nodes == N and info.max_ctx_len == 64 and info.covers_batch
+        packed, starts = info.packed_mask
+        expected, expected_starts = tree.packed_mask
+        assert torch.equal(packed[: 3 * N], expected)
+        assert torch.equal(starts[:3], expected_starts)
+        # Padding rows still see themselves (finite, discarded outputs).
+        node = torch.arange(N).repeat(2)
+        bits = (packed[3 * N :, 0] >> node) & 1
+        assert bits.eq(1).all()
+
+
+def test_fill_without_a_tree_is_causal():
+    buffers = UniformTreeBuffers(3, N, 64, torch.device("cpu"))
+    buffers.fill(
+        2,
+        _seq_lens([5, 9], 0),
+        _published(_random_parents(2, torch.Generator()), [5, 9]),
+    )
+    info = buffers.fill(2, _seq_lens([5, 9], 0), None)
+    causal = torch.ones(N, N, dtype=torch.bool).tril().expand(2, N, N)
+    expected, _ = pack_ancestor_mask(causal, [N, N])
+    assert torch.equal(info.packed_mask[0], expected)
+    assert info.parents[0].tolist() == list(range(-1, N - 1))
+
+
+def test_fill_rejects_trees_that_are_not_uniform():
+    buffers = UniformTreeBuffers(3, N, 64, torch.device("cpu"))
+    tree = _published(_random_parents(2, torch.Generator()), [5, 9])
+    tree.num_nodes_cpu = [N, N - 2]
+    with pytest.raises(ValueError, match="uniform"):
+        buffers.fill(2, _seq_lens([5, 9], 0), tree)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_uniform_metadata_gives_the_same_attention(seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs, heads, kv_heads, dim = 3, 4, 2, 8
+    ctx = torch.randint(0, 30, (num_reqs,), generator=gen).tolist()
+    blocks_per_req = (max(ctx) + N + PAGE - 1) // PAGE
+    num_blocks = num_reqs * blocks_per_req + 1
+    kv = torch.randn(num_blocks, 2, PAGE, kv_heads, dim, generator=gen)
+    layout = PagedKVLayout.from_strides(kv[:, 0], kv[:, 1])
+    block_table = 1 + torch.randperm(num_blocks - 1, generator=gen)
+    block_table = block_table.view(num_reqs, blocks_per_req).to(torch.int32)
+    tokens = num_reqs * N
+    query = torch.randn(tokens, heads, dim, generator=gen)
+    key = torch.randn(tokens, kv_heads, dim, generator=gen)
+    value = torch.randn(tokens, kv_heads, dim, generator=gen)
+    parents = _random_parents(num_reqs, gen)
+    tree = _published(parents, ctx)
+    uniform = UniformTreeBuffers(4, N, blocks_per_req * PAGE, torch.device("cpu"))
+    info = uniform.fill(num_reqs, _seq_lens(ctx, 0), tree)
+
+    outs = []
+    for meta in (tree, info):
+        out = torch.full_like(query, float("nan"))
+        torch_tree_attention(
+            query, key, value, kv, layout, block_table, meta, 0.3, out
+        )  # fmt: skip
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all()
+    torch.testing.assert_close(outs[1], outs[0])
