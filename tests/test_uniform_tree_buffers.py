@@ -5,6 +5,8 @@ their addresses from step to step, and give the same attention."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -96,6 +98,26 @@ def test_fill_matches_runner_metadata_and_keeps_addresses():
         node = torch.arange(N).repeat(2)
         bits = (packed[3 * N :, 0] >> node) & 1
         assert bits.eq(1).all()
+
+
+def test_fill_follows_the_trees_mask_rows():
+    """The published masks may keep each request's rows anywhere (their
+    ``starts``); the buffers hold request ``r`` at row ``r * N``."""
+    tree = _published(_random_parents(3, torch.Generator().manual_seed(1)), [1, 2, 3])
+    packed, starts = tree.packed_mask
+    blocks = list(packed.split(N))
+    order = [2, 0, 1]  # request r's rows are block order.index(r)
+    shuffled = dataclasses.replace(
+        tree,
+        packed=(
+            torch.cat([blocks[r] for r in order]),
+            torch.tensor([order.index(r) * N for r in range(3)], dtype=torch.int32),
+        ),
+    )
+    buffers = UniformTreeBuffers(3, N, 64, torch.device("cpu"))
+    info = buffers.fill(3, _seq_lens([1, 2, 3], 0), shuffled)
+    assert torch.equal(info.packed_mask[0], packed)
+    assert torch.equal(info.packed_mask[1], starts)
 
 
 def test_fill_without_a_tree_is_causal():

@@ -162,7 +162,8 @@ class UniformTreeBuffers:
         self.q_start = rows * num_nodes
         self.node_counts = torch.full_like(rows, num_nodes)
         self.ctx_len = torch.zeros_like(rows)
-        chain = torch.arange(num_nodes, device=device) - 1
+        self._node_ids = torch.arange(num_nodes, device=device)
+        chain = self._node_ids - 1
         self.chain_parents = chain.expand(max_num_reqs, num_nodes).contiguous()
         causal = torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=device)
         causal = causal.tril().expand(max_num_reqs, num_nodes, num_nodes)
@@ -201,8 +202,10 @@ class UniformTreeBuffers:
         else:
             if not tree.covers_batch or set(tree.num_nodes_cpu) != {n}:
                 raise ValueError("the published trees do not make a uniform batch")
-            packed, _ = tree.packed_mask
-            self.mask[: packed.shape[0]].copy_(packed)
+            # Request r's rows go to r * n onwards, wherever the tree has them.
+            packed, starts = tree.packed_mask
+            rows = (starts.long()[:, None] + self._node_ids).flatten()
+            torch.index_select(packed, 0, rows, out=self.mask[: rows.numel()])
             parents, max_depth = tree.parents, tree.max_depth
         return TreeAttentionInfo(
             req_rows=self.req_rows[:num_reqs],
