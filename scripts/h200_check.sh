@@ -5,6 +5,7 @@
 #   bash scripts/h200_check.sh tests   # kernel tests: attention, GDN, cores (~5 min)
 #   bash scripts/h200_check.sh engines # dense engines, greedy == no-spec (~8 min)
 #   bash scripts/h200_check.sh graphs  # full CUDA graphs: kernel under capture, graph engines (~5 min)
+#   bash scripts/h200_check.sh sampling # GPU tree sampler; seeded DDTree == seeded V2 no-spec (~4 min)
 #   bash scripts/h200_check.sh serve-hybrid  # more engines, OpenAI server, hybrid (~9 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
@@ -18,7 +19,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|graphs|serve-hybrid|kernels|e2e-8b|profile|train|e2e}
+mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve-hybrid|kernels|e2e-8b|profile|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -82,6 +83,10 @@ graphs)
   engine_test engine-small_max_num_seqs 110 tests/gpu/test_ddtree_engine_gpu.py \
     small_max_num_seqs
   ;;
+sampling)
+  step sampler 120 python3 -m pytest -q -rf tests/gpu/test_tree_sampling_gpu.py
+  engine_test engine-seeded 300 tests/gpu/test_ddtree_engine_gpu.py seeded
+  ;;
 serve-hybrid)
   for id in small_max_num_seqs stock_dflash; do
     engine_test "engine-$id" 150 tests/gpu/test_ddtree_engine_gpu.py "$id"
@@ -97,11 +102,13 @@ kernels)
     --out "$out/hybrid_verify.json"
   ;;
 e2e-8b)
-  step e2e-8b 380 python3 benchmarks/bench_e2e.py --out /tmp/e2e-8b \
+  # DDTree's first start on a fresh machine compiles its Triton variants
+  # (about 90 s for the 8B geometry), hence the longer job timeout.
+  step e2e-8b 590 python3 benchmarks/bench_e2e.py --out /tmp/e2e-8b \
     --target benchmarks/configs/qwen3-8b --drafter benchmarks/configs/qwen3-8b-dflash \
     --load-format dummy --methods nospec,dflash,ddtree --budgets 64 --fixed-budget \
     --batch-sizes 1,16 --temperatures 0 --prompt-len 768 --max-tokens 64 \
-    --max-cudagraph-capture-size 1040 --job-timeout 170
+    --max-cudagraph-capture-size 1040 --job-timeout 280
   cp /tmp/e2e-8b/results.json "$out/e2e-8b.json"
   cp /tmp/e2e-8b/table.md "$out/e2e-8b.md"
   ;;

@@ -106,3 +106,39 @@ def test_stock_dflash_still_works_on_gpu(fixtures, expected):
         assert _generate(llm) == expected
     finally:
         shutdown_llm(llm)
+
+
+def test_seeded_samples_equal_v2_no_spec(fixtures, monkeypatch):
+    """At T > 0 every node's target sample is vLLM's V2 draw for (seed,
+    position), so seeded DDTree output equals, token for token, seeded
+    no-spec output of vLLM's V2 runner (the GPU default for dense models)."""
+    params = [
+        SamplingParams(
+            temperature=1.0 if i % 2 else 0.8,
+            top_k=-1 if i % 2 else 20,
+            top_p=1.0 if i % 2 else 0.9,
+            seed=1000 + i,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+        )
+        for i in range(len(PROMPTS))
+    ]
+    requests = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def generate(llm: LLM) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params)]
+
+    # A DDTree engine pins this process to the V1 runner: the reference first.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    llm = _engine(fixtures.dense_target, enforce_eager=False)
+    try:
+        expected = generate(llm)
+    finally:
+        shutdown_llm(llm)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    spec = ddtree_config(fixtures.dense_drafter, 16)
+    llm = _engine(fixtures.dense_target, enforce_eager=False, spec=spec)
+    try:
+        assert generate(llm) == expected
+    finally:
+        shutdown_llm(llm)

@@ -5,8 +5,13 @@ Replaces vLLM's chain :class:`RejectionSampler` in the DDTree runner. Each
 request row of the verify batch carries ``n`` drafted nodes plus the root, and
 vLLM already computes target logits at all ``n + 1`` of them (in node order).
 The target's token at every node is its argmax (greedy) or a sample from the
-request's processed distribution (temperature / top-k / top-p, the request's
-generator if seeded); :func:`walk_trees` then follows those choices. No draft
+request's processed distribution (temperature / top-k / top-p);
+:func:`walk_trees` then follows those choices. On a GPU the sample is vLLM's
+own Gumbel-max draw keyed by the request's seed and the node's position (the
+V2 runner's sampler): nodes at one depth share their noise, nodes at
+different depths do not, and a seeded request gets, token for token, the
+samples vLLM's V2 runner draws without speculation. On CPU seeded requests
+draw from their own generator. No draft
 probabilities are involved: every emitted token is a target sample given its
 exact prefix, so the output distribution is the target's (no Leviathan-style
 ``min(1, p/q)`` test, which is biased for top-k trees).
@@ -37,11 +42,13 @@ class TreeVerifyInput:
     """Tree structure of every row of the current verify batch.
 
     ``parents`` is ``[num_reqs, N]`` on the device (root column and padding
-    ``-1``), ``max_depth`` bounds every node's depth.
+    ``-1``), ``max_depth`` bounds every node's depth. ``positions`` holds the
+    (depth-based) position of every logit row, when known.
     """
 
     parents: torch.Tensor
     max_depth: int
+    positions: torch.Tensor | None = None
 
 
 # vLLM marks greedy requests with a non-positive temperature.
@@ -49,10 +56,13 @@ _GREEDY_EPS = 1e-5
 
 
 class TreeRejectionSampler(RejectionSampler):
-    def __init__(self, sampler, spec_config=None, device=None) -> None:
+    def __init__(
+        self, sampler, spec_config=None, device=None, use_fp64_gumbel: bool = False
+    ) -> None:
         super().__init__(sampler, spec_config, device)
         self.step: TreeVerifyInput | None = None
         self.last_walk: WalkResult | None = None
+        self.use_fp64_gumbel = use_fp64_gumbel
 
     def forward(
         self,
@@ -87,7 +97,12 @@ class TreeRejectionSampler(RejectionSampler):
         num_nodes_t = torch.from_numpy(num_nodes).to(device, non_blocking=True)
 
         node_req = np.repeat(np.arange(len(num_nodes)), num_nodes)
-        choices = self._target_choices(logits, node_req, sampling_metadata)
+        if logits.is_cuda and step.positions is not None:
+            choices = self._gumbel_choices(
+                logits, node_req, step.positions, sampling_metadata
+            )
+        else:
+            choices = self._target_choices(logits, node_req, sampling_metadata)
         target_tokens = choices[logit_rows_t]
         node_tokens = torch.where(
             is_draft_t, metadata.draft_token_ids[draft_rows_t].long(), -1
@@ -155,3 +170,54 @@ class TreeRejectionSampler(RejectionSampler):
                     race[rows[0] : rows[-1] + 1].exponential_(generator=generator)
         sampled = (probs / race).argmax(dim=-1)
         return torch.where(is_greedy, greedy_tokens, sampled)
+
+    def _gumbel_choices(
+        self,
+        logits: torch.Tensor,
+        node_req_np: np.ndarray,
+        positions: torch.Tensor,
+        sampling_metadata: SamplingMetadata,
+    ) -> torch.Tensor:
+        """The target's token at every logit row, drawn as vLLM's V2 runner
+        draws its samples: temperature, top-k / top-p, then the argmax of the
+        logits plus Gumbel noise seeded by ``(request seed, position)``
+        (greedy rows get no noise). Requests without a seed get a fresh random
+        one every step."""
+        if sampling_metadata.all_greedy:
+            return logits.argmax(dim=-1)
+        # Imported here: vLLM's V2 sampling ops are Triton (GPU) code.
+        from vllm.v1.worker.gpu.sample.gumbel import apply_temperature, gumbel_sample
+
+        device = logits.device
+        num_reqs = sampling_metadata.temperature.shape[0]
+        node_req = torch.from_numpy(node_req_np).to(device, non_blocking=True)
+        temperature = sampling_metadata.temperature.float()
+        temperature = torch.where(temperature < _GREEDY_EPS, 0.0, temperature)
+        seeds = torch.randint(
+            -(2**63), 2**63 - 1, (num_reqs,), dtype=torch.int64, device=device
+        )
+        if sampling_metadata.generators:
+            rows = list(sampling_metadata.generators)
+            chosen = [g.initial_seed() for g in sampling_metadata.generators.values()]
+            # A seed is a uint64 to torch and an int64 to vLLM's V2 sampler.
+            chosen = [c - 2**64 if c >= 2**63 else c for c in chosen]
+            seeds[torch.tensor(rows, device=device)] = torch.tensor(
+                chosen, dtype=torch.int64, device=device
+            )
+        processed = logits.float().clone()
+        apply_temperature(processed, node_req, temperature)
+        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+        processed = apply_top_k_top_p(
+            processed,
+            None if top_k is None else top_k[node_req],
+            None if top_p is None else top_p[node_req],
+        )
+        return gumbel_sample(
+            processed,
+            node_req,
+            temperature,
+            seeds,
+            positions,
+            apply_temperature=False,
+            use_fp64=self.use_fp64_gumbel,
+        )

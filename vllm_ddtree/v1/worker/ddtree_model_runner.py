@@ -111,7 +111,10 @@ class DDTreeModelRunnerMixin:
         assert cfg is not None, "the DDTree runner needs method 'ddtree'"
         self.ddtree = cfg
         self.rejection_sampler = TreeRejectionSampler(
-            self.sampler, self.speculative_config, self.device
+            self.sampler,
+            self.speculative_config,
+            self.device,
+            use_fp64_gumbel=self.model_config.use_fp64_gumbel,
         )
         self._trees: dict[str, StoredTree] = {}
         self._plan: VerifyPlan | None = None
@@ -168,7 +171,9 @@ class DDTreeModelRunnerMixin:
 
         max_depth = int(depths.max())
         parents_t = torch.from_numpy(parents).to(device)
-        self.rejection_sampler.step = TreeVerifyInput(parents_t, max_depth)
+        self.rejection_sampler.step = TreeVerifyInput(
+            parents_t, max_depth, self.positions[spec_metadata.logits_indices]
+        )
         return VerifyPlan(
             num_nodes=num_nodes,
             root_index=root_index,
