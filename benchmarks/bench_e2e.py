@@ -477,13 +477,23 @@ def main(argv: list[str] | None = None) -> None:
     elif not (args.target and args.drafter):
         ap.error("--load-format dummy needs --target and --drafter config dirs")
 
-    needed = args.prompt_len + args.max_tokens + max([*args.budgets, DFLASH_DRAFTS])
+    # The last step verifies the widest tree (1 + B tokens) and then drafts
+    # (1 + depth queries): vLLM skips the drafter when those would not fit.
+    needed = (
+        args.prompt_len
+        + args.max_tokens
+        + 1
+        + max([*args.budgets, DFLASH_DRAFTS])
+        + 1
+        + DFLASH_DRAFTS
+    )
     if args.max_model_len is None:
         args.max_model_len = needed + 1
     elif args.max_model_len <= needed:
         ap.error(
             f"--max-model-len {args.max_model_len} cannot hold --prompt-len + "
-            f"--max-tokens + the widest draft ({needed}); raise it or leave it out"
+            f"--max-tokens + the widest tree and the drafter's queries ({needed}); "
+            "raise it or leave it out"
         )
     rows_dir = args.out / "rows"
     rows_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ import pytest
 from vllm import LLM, SamplingParams
 
 from tests.oracle_drafter import Oracle, oracle_drafter
-from tests.utils import ddtree_config, make_llm, shutdown_llm
+from tests.utils import ddtree_config, make_llm, metric, shutdown_llm
 
 pytestmark = pytest.mark.slow
 
@@ -100,3 +100,39 @@ def test_engine_features_keep_greedy_output(fixtures):
     assert metrics["vllm:prefix_cache_hits"].value > 0
     accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
     assert accepted > metrics["vllm:spec_decode_num_drafts"].value / 2
+
+
+def test_drafting_continues_near_max_model_len(fixtures):
+    """The drafter runs while its own 1 + depth queries fit: with a budget
+    far above the depth (B = 64, depth 15), vLLM's count of B queries would
+    stop drafting 64 tokens before the end, here from the first step."""
+    prompt, max_len, budget = _prompt(40, 40), MAX_MODEL_LEN, 64
+    params = SamplingParams(temperature=0, max_tokens=max_len, ignore_eos=True)
+
+    def engine(spec=None) -> LLM:
+        return make_llm(
+            fixtures.dense_target,
+            max_model_len=max_len,
+            max_num_seqs=1,
+            block_size=16,
+            speculative_config=spec,
+        )
+
+    llm = engine()
+    (base,) = [
+        o.outputs[0].token_ids
+        for o in llm.generate([{"prompt_token_ids": prompt}], params)
+    ]
+    shutdown_llm(llm)
+    oracle = Oracle({tuple(prompt): prompt + list(base)})
+    with oracle_drafter(oracle):
+        llm = engine(ddtree_config(fixtures.dense_drafter, budget))
+        try:
+            outs = llm.generate([{"prompt_token_ids": prompt}], params)
+            accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
+        finally:
+            shutdown_llm(llm)
+    assert list(outs[0].outputs[0].token_ids) == list(base)
+    # Context 40 + a 65-node tree + 64 queries > 160: vLLM's own check never
+    # drafts. With 16 queries the drafter runs up to a context of 79.
+    assert accepted >= 20, accepted

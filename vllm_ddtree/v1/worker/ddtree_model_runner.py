@@ -218,6 +218,21 @@ class DDTreeModelRunnerMixin:
             covers_batch=int(num_nodes[rows].sum()) == total_tokens,
         )
 
+    def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        """vLLM skips the drafter when its queries would pass the drafter's
+        ``max_model_len``, counting ``num_speculative_tokens`` queries: for
+        DDTree that is the node budget B, but DFlash queries ``1 +
+        max_depth`` positions. Counting B stopped drafting ``B`` tokens too
+        early (every step of a benchmark sized to its own length)."""
+        if common_attn_metadata is None:
+            return False
+        # ``max_seq_len`` counts the whole verified tree, an upper bound of
+        # the drafter's context (root + accepted path).
+        return (
+            common_attn_metadata.max_seq_len + 1 + self.ddtree.max_depth
+            <= self.effective_drafter_max_model_len
+        )
+
     # -- step 4: tree attention metadata ---------------------------------
 
     def _build_attention_metadata(self, *args, **kwargs):
