@@ -1,11 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """The accepted-path KV commit on vLLM's FlashAttention cache layout.
 
-The fast path (one row gather / scatter per layer, NHD layout) and the
-generic element-index path (HND layout) must both move exactly the keys and
-values of the source slots, including when sources and destinations overlap
-and cross block boundaries. Runs on CPU tensors laid out like the GPU cache.
+The fast path (one row gather / scatter per layer, NHD layout), the
+generic element-index path (HND layout) and the all-layers Triton commit
+(two launches for every layer of a group; run here in Triton's interpreter)
+must all move exactly the keys and values of the source slots, including when
+sources and destinations overlap and cross block boundaries. Runs on CPU
+tensors laid out like the GPU cache.
 """
+
+import json
+import sys
 
 import pytest
 import torch
@@ -18,19 +23,28 @@ from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
 NUM_BLOCKS, HEADS, HEAD_SIZE = 6, 2, 8
 
 
-def _cache(layout: str, block_size: int) -> torch.Tensor:
+def _cache(
+    layout: str, block_size: int, heads: int = HEADS, seed: int = 0
+) -> torch.Tensor:
     """A FlashAttention cache: logical ``(blocks, Hkv, block_size, 2 * D)``,
     physically NHD (slot-major) or HND (logical order)."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     if layout == "NHD":
-        phys = torch.randn(NUM_BLOCKS, block_size, HEADS, 2 * HEAD_SIZE, generator=g)
+        phys = torch.randn(NUM_BLOCKS, block_size, heads, 2 * HEAD_SIZE, generator=g)
         return phys.transpose(1, 2)
-    return torch.randn(NUM_BLOCKS, HEADS, block_size, 2 * HEAD_SIZE, generator=g)
+    return torch.randn(NUM_BLOCKS, heads, block_size, 2 * HEAD_SIZE, generator=g)
 
 
 def _slots_view(cache: torch.Tensor) -> torch.Tensor:
     """``[slots, Hkv, 2 * D]`` reference view (a copy)."""
-    return cache.transpose(1, 2).reshape(-1, HEADS, 2 * HEAD_SIZE).clone()
+    heads = cache.shape[1]
+    return cache.transpose(1, 2).reshape(-1, heads, 2 * HEAD_SIZE).clone()
+
+
+# An accepted path of a tree laid out from slot 13: nodes 0, 4, 9, 21 move to
+# 13, 14, 15, 16 (crossing a block boundary at 16 for block 16, and
+# overlapping: slot 17 = node 4 is read, slot 14 is written).
+SRC, DST = [13, 17, 22, 34], [13, 14, 15, 16]
 
 
 def _impl() -> FlashTreeAttentionImpl:
@@ -45,13 +59,68 @@ def test_copy_kv_slots_moves_whole_slots(layout, block_size):
     cache = _cache(layout, block_size)
     assert (slot_rows(cache) is not None) == (layout == "NHD")
     before = _slots_view(cache)
-    # An accepted path of a tree laid out from slot 13: nodes 0, 4, 9, 21
-    # move to 13, 14, 15, 16 (crossing a block boundary at 16 for block 16,
-    # and overlapping: slot 17 = node 4 is read, slot 14 is written).
-    src = torch.tensor([13, 17, 22, 34])
-    dst = torch.tensor([13, 14, 15, 16])
+    src, dst = torch.tensor(SRC), torch.tensor(DST)
     _impl().copy_kv_slots(cache, src, dst)
     after = _slots_view(cache)
     expected = before.clone()
     expected[dst] = before[src]
     assert torch.equal(after, expected)
+
+
+def test_all_layers_commit_is_for_cuda_nhd_caches_only():
+    caches = [_cache("NHD", 16, seed=i) for i in range(3)]
+    assert _impl().kv_commit_for_layers(caches) is None  # CPU tensors
+    assert _impl().kv_commit_for_layers([_cache("HND", 16)]) is None
+
+
+# name: (dtype, heads, layers); 3 heads make a row width (48) that is not a
+# power of two.
+COMMIT_CASES = {
+    "fp32": ("float32", HEADS, 3),
+    "bf16-odd-width": ("bfloat16", 3, 4),
+}
+
+
+def _worker() -> None:
+    """Run the all-layers Triton commit (interpreter) and print one record
+    per case."""
+    from vllm_ddtree.v1.ops.triton_kv_commit import SlotRowsCommit
+
+    for name, (dtype, heads, num_layers) in COMMIT_CASES.items():
+        res: dict = {}
+        try:
+            caches = [
+                _cache("NHD", 16, heads, seed=i).to(getattr(torch, dtype))
+                for i in range(num_layers)
+            ]
+            before = [_slots_view(c) for c in caches]
+            commit = SlotRowsCommit([slot_rows(c) for c in caches])
+            commit(torch.tensor(SRC), torch.tensor(DST))
+            equal = []
+            for cache, old in zip(caches, before, strict=True):
+                expected = old.clone()
+                expected[DST] = old[SRC]
+                equal.append(torch.equal(_slots_view(cache), expected))
+            res["layers_equal"] = equal
+        except Exception as exc:
+            res["error"] = repr(exc)
+        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interp_results() -> dict[str, dict]:
+    from tests.utils import run_interpreter_worker
+
+    return run_interpreter_worker(__file__, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(COMMIT_CASES))
+def test_all_layers_commit_interpreted(interp_results, name):
+    from tests.utils import interpreted_case
+
+    rec = interpreted_case(interp_results, name)
+    assert rec["layers_equal"] and all(rec["layers_equal"]), rec
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()

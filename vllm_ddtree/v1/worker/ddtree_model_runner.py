@@ -28,7 +28,7 @@ One DDTree step, as it flows through the overridden runner methods:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +120,7 @@ class DDTreeModelRunnerMixin:
         self._plan: VerifyPlan | None = None
         # Set by measure_verify_latency() once the engine is warmed up.
         self.verify_latency: LatencyModel | None = None
+        self._kv_commits: dict[int, tuple[list, Callable | None]] | None = None
 
     # -- step 3: positions and tree layout -------------------------------
 
@@ -273,18 +274,37 @@ class DDTreeModelRunnerMixin:
     def _compact_kv(self, src_tokens: torch.Tensor, dst_tokens: torch.Tensor) -> None:
         """Move the KV of node ``src_tokens[i]`` to the slot of token
         ``dst_tokens[i]`` in every target attention layer."""
-        drafter_layers = getattr(self.drafter, "_draft_attn_layer_names", set())
-        layers = self.compilation_config.static_forward_context
-        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
-            if not isinstance(group.kv_cache_spec, AttentionSpec):
-                continue
+        for gid, (layers, commit) in self._kv_commit_plan().items():
             slot_mapping = self.input_batch.block_table[gid].slot_mapping.gpu
             src, dst = slot_mapping[src_tokens], slot_mapping[dst_tokens]
-            for name in group.layer_names:
-                if name in drafter_layers:
+            if commit is not None:
+                commit(src, dst)
+                continue
+            for impl, kv_cache in layers:
+                impl.copy_kv_slots(kv_cache, src, dst)
+
+    def _kv_commit_plan(self) -> dict[int, tuple[list, Callable | None]]:
+        """Per attention KV-cache group: its target layers' ``(impl, cache)``
+        and, where the backend offers one, a commit of all of them at once.
+        Built on first use (the caches exist by then) and kept: the caches
+        do not move."""
+        if self._kv_commits is None:
+            drafter_layers = getattr(self.drafter, "_draft_attn_layer_names", set())
+            context = self.compilation_config.static_forward_context
+            self._kv_commits = {}
+            for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
+                if not isinstance(group.kv_cache_spec, AttentionSpec):
                     continue
-                layer = layers[name]
-                layer.impl.copy_kv_slots(layer.kv_cache, src, dst)
+                layers = [
+                    (context[name].impl, context[name].kv_cache)
+                    for name in group.layer_names
+                    if name not in drafter_layers
+                ]
+                if layers:
+                    caches = [kv_cache for _, kv_cache in layers]
+                    commit = layers[0][0].kv_commit_for_layers(caches)
+                    self._kv_commits[gid] = (layers, commit)
+        return self._kv_commits
 
     def _commit_recurrent_state(self, tree: TreeAttentionInfo, walk) -> None:
         """Make each tree row's accepted path the committed state of every
@@ -386,9 +406,9 @@ class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
     @torch.inference_mode()
     def warm_up_tree_kernels(self) -> None:
         """Compile the Triton kernels of a DDTree step at start-up: the tree
-        cores, and the tree attention once per distinct layer geometry.
-        Otherwise each variant compiles (about a second) the first time a
-        tree size needs it, in the middle of serving."""
+        cores, the tree attention once per distinct layer geometry, and the
+        KV commit. Otherwise each variant compiles (about a second) the first
+        time a tree size needs it, in the middle of serving."""
         # Imported here: the CPU runner shares this module and needs neither.
         from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
             FlashTreeAttentionImpl,
@@ -427,3 +447,7 @@ class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
                     impl.warm_up_tree_kernels(
                         layer.kv_cache, block_table, 1 + cfg.budget
                     )
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for _, commit in self._kv_commit_plan().values():
+            if commit is not None:
+                commit(zero, zero)  # slot 0 (vLLM's null block) onto itself

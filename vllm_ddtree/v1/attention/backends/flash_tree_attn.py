@@ -121,6 +121,21 @@ class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
         else:
             rows[dst] = rows[src]
 
+    def kv_commit_for_layers(self, kv_caches: list[torch.Tensor]):
+        # On a GPU, NHD caches of one geometry: two launches for all layers.
+        rows = [slot_rows(cache) for cache in kv_caches]
+        if (
+            not kv_caches
+            or not kv_caches[0].is_cuda
+            or any(r is None for r in rows)
+            or len({(r.shape, r.stride(), r.dtype) for r in rows}) != 1
+        ):
+            return None
+        # Imported here: only GPU processes need Triton.
+        from vllm_ddtree.v1.ops.triton_kv_commit import SlotRowsCommit
+
+        return SlotRowsCommit(rows)
+
     def warm_up_tree_kernels(
         self, kv_cache: torch.Tensor, block_table: torch.Tensor, max_nodes: int
     ) -> None:

@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -298,6 +298,14 @@ class TreeAttentionImplMixin:
     ) -> None:
         """``cache[dst[i]] = cache[src[i]]`` (the accepted path's commit)."""
         self.kv_layout(kv_cache).copy_slots(kv_cache, src, dst)
+
+    def kv_commit_for_layers(
+        self, kv_caches: list[torch.Tensor]
+    ) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+        """A commit ``(src, dst)`` of all ``kv_caches`` (one KV-cache group's
+        layers) at once, or ``None``: the runner then calls
+        :meth:`copy_kv_slots` layer by layer."""
+        return None
 
 
 class PagedKVLayout:

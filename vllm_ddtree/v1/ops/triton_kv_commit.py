@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The accepted-path KV commit of every attention layer in two launches.
+
+After the walk, each request's accepted nodes move to the cache slots right
+after its context: ``rows[dst[i]] = rows[src[i]]`` in every layer. Done per
+layer, that is a gather and a scatter for each of the (e.g. 36) layers, every
+step. Here the layers' slot-row views (a slot's keys and values side by side,
+vLLM's FlashAttention NHD cache) are addressed through a table of base
+pointers: one launch gathers the source rows of all layers into a scratch
+buffer, a second scatters them to the destinations. Reading every source
+before writing any destination keeps overlapping moves correct.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _move_rows_kernel(
+    LAYER_ROWS,  # [L] int64: base address of each layer's [slots, width] rows
+    SLOTS,  # [num_rows] int64: the slot each row is read from / written to
+    SCRATCH,  # [L, num_rows, width]
+    num_rows,
+    width,
+    row_stride,
+    BLOCK: tl.constexpr,
+    TO_SCRATCH: tl.constexpr,
+):
+    i = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    keep = cols < width
+    rows = tl.load(LAYER_ROWS + layer).to(tl.pointer_type(SCRATCH.dtype.element_ty))
+    slot_row = rows + tl.load(SLOTS + i).to(tl.int64) * row_stride + cols
+    scratch = SCRATCH + (layer * num_rows + i) * width + cols
+    if TO_SCRATCH:
+        tl.store(scratch, tl.load(slot_row, mask=keep), mask=keep)
+    else:
+        tl.store(slot_row, tl.load(scratch, mask=keep), mask=keep)
+
+
+class SlotRowsCommit:
+    """``rows[dst] = rows[src]`` in the slot-row views of many layers.
+
+    Built once per KV-cache group from views that share shape, strides and
+    dtype (the layers of one group do); it keeps the views alive and their
+    base addresses in a device table.
+    """
+
+    def __init__(self, layer_rows: list[torch.Tensor]) -> None:
+        first = layer_rows[0]
+        assert all(
+            r.shape == first.shape
+            and r.stride() == first.stride()
+            and r.dtype == first.dtype
+            and r.device == first.device
+            for r in layer_rows
+        ), "the layers' slot rows must share one geometry"
+        assert first.stride(1) == 1, "slot rows must be contiguous"
+        self.layer_rows = layer_rows
+        self.table = torch.tensor(
+            [r.data_ptr() for r in layer_rows], dtype=torch.int64, device=first.device
+        )
+        self.width = first.shape[1]
+        self.row_stride = first.stride(0)
+        self.block = min(triton.next_power_of_2(self.width), 4096)
+
+    def __call__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        num_rows = src.numel()
+        if num_rows == 0:
+            return
+        first = self.layer_rows[0]
+        scratch = torch.empty(
+            (len(self.layer_rows), num_rows, self.width),
+            dtype=first.dtype,
+            device=first.device,
+        )
+        grid = (num_rows, len(self.layer_rows), triton.cdiv(self.width, self.block))
+        for slots, to_scratch in ((src, True), (dst, False)):
+            _move_rows_kernel[grid](
+                self.table,
+                slots.to(torch.int64),
+                scratch,
+                num_rows,
+                self.width,
+                self.row_stride,
+                BLOCK=self.block,
+                TO_SCRATCH=to_scratch,
+            )
