@@ -333,7 +333,12 @@ def _fmt(v, spec: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="1024,4096,16384,32768")
-    ap.add_argument("--trees", default="16,64,256")
+    ap.add_argument(
+        "--trees",
+        default="16,64,65,256",
+        help="nodes per tree, root included (a budget B verifies B + 1 nodes: "
+        "65 is the B = 64 engine's shape, one node past a 64-node query tile)",
+    )
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
