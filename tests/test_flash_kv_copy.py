@@ -9,12 +9,12 @@ sources and destinations overlap and cross block boundaries. Runs on CPU
 tensors laid out like the GPU cache.
 """
 
-import json
 import sys
 
 import pytest
 import torch
 
+from tests.utils import interpreted_case, interpreter_fixture, print_case
 from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
     FlashTreeAttentionImpl,
     slot_rows,
@@ -104,20 +104,14 @@ def _worker() -> None:
             res["layers_equal"] = equal
         except Exception as exc:
             res["error"] = repr(exc)
-        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+        print_case(name, res)
 
 
-@pytest.fixture(scope="module")
-def interp_results() -> dict[str, dict]:
-    from tests.utils import run_interpreter_worker
-
-    return run_interpreter_worker(__file__, timeout=300)
+interp_results = interpreter_fixture(__file__, timeout=300)
 
 
 @pytest.mark.parametrize("name", list(COMMIT_CASES))
 def test_all_layers_commit_interpreted(interp_results, name):
-    from tests.utils import interpreted_case
-
     rec = interpreted_case(interp_results, name)
     assert rec["layers_equal"] and all(rec["layers_equal"]), rec
 

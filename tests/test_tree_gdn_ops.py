@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.utils import interpreted_case
+from tests.utils import interpreted_case, interpreter_fixture, print_case
 from vllm_ddtree.v1.ops.tree_gdn import (
     commit_tree_state,
     tree_causal_conv1d_update,
@@ -448,14 +448,10 @@ def _worker() -> None:
             res["tol"] = 2e-2 if "dtype" in spec else 1e-4
         except Exception as exc:
             res = {"error": repr(exc)}
-        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+        print_case(name, res)
 
 
-@pytest.fixture(scope="module")
-def interp_results() -> dict[str, dict]:
-    from tests.utils import run_interpreter_worker
-
-    return run_interpreter_worker(__file__, timeout=900)
+interp_results = interpreter_fixture(__file__, timeout=900)
 
 
 @pytest.mark.parametrize("name", list(INTERP_CASES))

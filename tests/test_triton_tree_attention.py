@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from tests.utils import interpreted_case
+from tests.utils import interpreted_case, interpreter_fixture, print_case
 from vllm_ddtree.v1.attention.ops.tree_attention_ref import (
     tree_attention_reference,
     unpack_tree_mask,
@@ -342,13 +342,13 @@ def _worker() -> None:
             res = check_against_reference(batch, tta.tree_attention, **kw)
         except Exception as exc:
             res = {"error": repr(exc)}
-        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+        print_case(name, res)
     for name, dtype in TREE_ONLY_CASES.items():
         try:
             res = _check_tree_only(tta.tree_attention, getattr(torch, dtype))
         except Exception as exc:
             res = {"error": repr(exc)}
-        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+        print_case(name, res)
 
 
 # Tree-only pass (the context is left to another kernel): rows' contexts are
@@ -394,11 +394,7 @@ def _check_tree_only(
     }
 
 
-@pytest.fixture(scope="module")
-def interp_results() -> dict[str, dict]:
-    from tests.utils import run_interpreter_worker
-
-    return run_interpreter_worker(__file__, timeout=600)
+interp_results = interpreter_fixture(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("name", [*CASES, *TREE_ONLY_CASES])

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from tests.utils import interpreted_case
+from tests.utils import interpreted_case, interpreter_fixture, print_case
 
 # name -> (requests, max nodes incl. root, max depth, seed)
 CASES: dict[str, tuple[int, int, int, int]] = {
@@ -142,7 +142,7 @@ def _worker() -> None:
             res["mask_equal"] = torch.equal(bits, want)
         except Exception as exc:
             res = {"error": repr(exc)}
-        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+        print_case(name, res)
     for name, (num_reqs, depths, k, budget, spine, ties, seed) in BUILD_CASES.items():
         values, tokens = random_topk(num_reqs, depths, k, ties, seed)
         try:
@@ -156,7 +156,7 @@ def _worker() -> None:
             }
         except Exception as exc:
             res = {"error": repr(exc)}
-        print("CASE " + json.dumps({"name": name, **res}), flush=True)
+        print_case(name, res)
     _worker_compile_variants()
 
 
@@ -178,14 +178,10 @@ def _worker_compile_variants() -> None:
         res = {"attention_variants": sorted(ran)}
     except Exception as exc:
         res = {"error": repr(exc)}
-    print("CASE " + json.dumps({"name": "compile-variants", **res}), flush=True)
+    print_case("compile-variants", res)
 
 
-@pytest.fixture(scope="module")
-def interp_results() -> dict[str, dict]:
-    from tests.utils import run_interpreter_worker
-
-    return run_interpreter_worker(__file__, timeout=600)
+interp_results = interpreter_fixture(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -257,6 +257,23 @@ def run_interpreter_worker(test_file: str, timeout: float) -> dict[str, dict]:
     return results
 
 
+def print_case(name: str, record: dict) -> None:
+    """Print one worker record, the line :func:`run_interpreter_worker` reads."""
+    print("CASE " + json.dumps({"name": name, **record}), flush=True)
+
+
+def interpreter_fixture(test_file: str, timeout: float):
+    """A module-scoped fixture holding the records of ``test_file``'s
+    interpreter worker (see :func:`run_interpreter_worker`)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def interp_results() -> dict[str, dict]:
+        return run_interpreter_worker(test_file, timeout)
+
+    return interp_results
+
+
 def interpreted_case(results: dict[str, dict], name: str) -> dict:
     """The record of case ``name`` from :func:`run_interpreter_worker`,
     failing with the worker's stderr if it is missing or raised."""
