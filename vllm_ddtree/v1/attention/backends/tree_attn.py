@@ -166,8 +166,8 @@ class UniformTreeBuffers:
         chain = self._node_ids - 1
         self.chain_parents = chain.expand(max_num_reqs, num_nodes).contiguous()
         causal = torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=device)
-        causal = causal.tril().expand(max_num_reqs, num_nodes, num_nodes)
-        self.chain_mask, _ = pack_ancestor_mask(causal, [num_nodes] * max_num_reqs)
+        one_chain, _ = pack_ancestor_mask(causal.tril()[None], [num_nodes])
+        self.chain_mask = one_chain.repeat(max_num_reqs, 1)
         self.mask = self.chain_mask.clone()
 
     def matches(self, query_start_loc_cpu: torch.Tensor) -> bool:
