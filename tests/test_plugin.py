@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -14,19 +15,23 @@ import pytest
 
 from vllm_ddtree import plugin
 
+# The script reports through a file: its stdout is shared with the engine
+# processes' DEBUG logs, which can interleave with a line being written.
 SCRIPT = textwrap.dedent(
     """
+    import json
     import os
     from vllm import LLM, SamplingParams
 
     if __name__ == "__main__":
-        print("PARENT", os.getpid(), flush=True)
         llm = LLM(model={model!r}, dtype="bfloat16", max_model_len=128,
                   enforce_eager=True, gpu_memory_utilization=0.25,
                   speculative_config={spec!r})
         out = llm.generate({{"prompt_token_ids": [5, 6, 7]}},
                            SamplingParams(temperature=0, max_tokens=4))
-        print("TOKENS", len(out[0].outputs[0].token_ids), flush=True)
+        tokens = len(out[0].outputs[0].token_ids)
+        with open({result!r}, "w") as fh:
+            json.dump({{"parent": os.getpid(), "tokens": tokens}}, fh)
     """
 )
 
@@ -54,8 +59,10 @@ def test_plugin_runs_in_engine_core_and_worker(fixtures, tmp_path):
         "model": str(fixtures.dense_drafter),
         "num_speculative_tokens": 4,
     }
-    script = tmp_path / "run.py"
-    script.write_text(SCRIPT.format(model=str(fixtures.dense_target), spec=spec))
+    script, result = tmp_path / "run.py", tmp_path / "result.json"
+    script.write_text(
+        SCRIPT.format(model=str(fixtures.dense_target), spec=spec, result=str(result))
+    )
     env = dict(
         os.environ,
         VLLM_ENABLE_V1_MULTIPROCESSING="1",
@@ -70,8 +77,9 @@ def test_plugin_runs_in_engine_core_and_worker(fixtures, tmp_path):
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    assert "TOKENS 4" in log
-    parent = int(re.search(r"PARENT (\d+)", log).group(1))
+    report = json.loads(result.read_text())
+    assert report["tokens"] == 4
+    parent = report["parent"]
     pids = {
         int(p)
         for p in re.findall(r"vllm-ddtree plugin registered in process (\d+)", log)
