@@ -55,6 +55,19 @@ class TreeVerifyInput:
 _GREEDY_EPS = 1e-5
 
 
+def _top_k_top_p_per_row(
+    logits: torch.Tensor, node_req: torch.Tensor, sampling_metadata: SamplingMetadata
+) -> torch.Tensor:
+    """vLLM's top-k / top-p with each logit row's request's settings
+    (``node_req[i]`` is the request of row ``i``)."""
+    top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+    return apply_top_k_top_p(
+        logits,
+        None if top_k is None else top_k[node_req],
+        None if top_p is None else top_p[node_req],
+    )
+
+
 class TreeRejectionSampler(RejectionSampler):
     def __init__(
         self, sampler, spec_config=None, device=None, use_fp64_gumbel: bool = False
@@ -154,12 +167,7 @@ class TreeRejectionSampler(RejectionSampler):
         temperature = sampling_metadata.temperature[node_req]
         is_greedy = temperature < _GREEDY_EPS
         scaled = logits.float() / torch.where(is_greedy, 1.0, temperature)[:, None]
-        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
-        probs = apply_top_k_top_p(
-            scaled,
-            None if top_k is None else top_k[node_req],
-            None if top_p is None else top_p[node_req],
-        ).softmax(dim=-1)
+        probs = _top_k_top_p_per_row(scaled, node_req, sampling_metadata).softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p;
         # seeded requests draw their E from their own generator.
         race = torch.empty_like(probs).exponential_()
@@ -206,14 +214,8 @@ class TreeRejectionSampler(RejectionSampler):
             )
         processed = logits.float().clone()
         apply_temperature(processed, node_req, temperature)
-        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
-        processed = apply_top_k_top_p(
-            processed,
-            None if top_k is None else top_k[node_req],
-            None if top_p is None else top_p[node_req],
-        )
         return gumbel_sample(
-            processed,
+            _top_k_top_p_per_row(processed, node_req, sampling_metadata),
             node_req,
             temperature,
             seeds,
