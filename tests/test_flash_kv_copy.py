@@ -73,6 +73,17 @@ def test_all_layers_commit_is_for_cuda_nhd_caches_only():
     assert _impl().kv_commit_for_layers([_cache("HND", 16)]) is None
 
 
+def test_all_layers_commit_needs_one_geometry():
+    from vllm_ddtree.v1.ops.triton_kv_commit import SlotRowsCommit
+
+    same = [slot_rows(_cache("NHD", 16, seed=i)) for i in range(2)]
+    assert SlotRowsCommit.for_rows(same) is not None
+    wider = slot_rows(_cache("NHD", 16, heads=HEADS + 1))
+    assert SlotRowsCommit.for_rows([*same, wider]) is None
+    half = slot_rows(_cache("NHD", 16, seed=2).to(torch.bfloat16))
+    assert SlotRowsCommit.for_rows([*same, half]) is None
+
+
 # name: (dtype, heads, layers); 3 heads make a row width (48) that is not a
 # power of two.
 COMMIT_CASES = {
@@ -94,7 +105,7 @@ def _worker() -> None:
                 for i in range(num_layers)
             ]
             before = [_slots_view(c) for c in caches]
-            commit = SlotRowsCommit([slot_rows(c) for c in caches])
+            commit = SlotRowsCommit.for_rows([slot_rows(c) for c in caches])
             commit(torch.tensor(SRC), torch.tensor(DST))
             equal = []
             for cache, old in zip(caches, before, strict=True):

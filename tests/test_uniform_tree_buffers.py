@@ -171,3 +171,39 @@ def test_uniform_metadata_gives_the_same_attention(seed):
         outs.append(out)
     assert torch.isfinite(outs[0]).all()
     torch.testing.assert_close(outs[1], outs[0])
+
+
+def test_flash_builder_attaches_uniform_or_published_trees():
+    """The GPU builder's glue: uniform batches get the buffers (and vLLM's
+    own block table, rows in order); other batches the published tree with
+    its rows' block-table rows."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
+        FlashTreeAttentionMetadataBuilder,
+    )
+
+    builder = FlashTreeAttentionMetadataBuilder.__new__(
+        FlashTreeAttentionMetadataBuilder
+    )
+    builder.uniform_trees = UniformTreeBuffers(4, N, 64, torch.device("cpu"))
+    tree = _published(_random_parents(2, torch.Generator()), [5, 9])
+    block_table = torch.arange(8, dtype=torch.int32).view(2, 4)
+
+    def attach(query_lens: list[int]):
+        metadata = SimpleNamespace(block_table=block_table)
+        cm = SimpleNamespace(
+            causal=True,
+            query_start_loc_cpu=torch.tensor([0, *query_lens]).cumsum(0),
+            num_reqs=len(query_lens),
+            seq_lens=_seq_lens([5, 9], 0),
+        )
+        builder._attach_tree(metadata, cm, tree)
+        return metadata
+
+    uniform = attach([N, N])
+    assert uniform.tree.packed is not None and uniform.tree.ctx_len_bound == 64
+    assert uniform.tree_block_table is block_table
+    mixed = attach([N, 3])
+    assert mixed.tree is tree
+    assert torch.equal(mixed.tree_block_table, block_table)

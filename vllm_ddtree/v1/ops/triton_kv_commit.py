@@ -45,21 +45,22 @@ def _move_rows_kernel(
 class SlotRowsCommit:
     """``rows[dst] = rows[src]`` in the slot-row views of many layers.
 
-    Built once per KV-cache group from views that share shape, strides and
-    dtype (the layers of one group do); it keeps the views alive and their
-    base addresses in a device table.
+    Built once per KV-cache group (:meth:`for_rows`) from views that share
+    shape, strides, dtype and device (the layers of one group do); it keeps
+    the views alive and their base addresses in a device table.
     """
+
+    @classmethod
+    def for_rows(cls, layer_rows: list[torch.Tensor]) -> SlotRowsCommit | None:
+        """The commit of ``layer_rows``, or ``None`` when they do not share
+        one geometry of contiguous rows."""
+        geometries = {(r.shape, r.stride(), r.dtype, r.device) for r in layer_rows}
+        if len(geometries) != 1 or layer_rows[0].stride(1) != 1:
+            return None
+        return cls(layer_rows)
 
     def __init__(self, layer_rows: list[torch.Tensor]) -> None:
         first = layer_rows[0]
-        assert all(
-            r.shape == first.shape
-            and r.stride() == first.stride()
-            and r.dtype == first.dtype
-            and r.device == first.device
-            for r in layer_rows
-        ), "the layers' slot rows must share one geometry"
-        assert first.stride(1) == 1, "slot rows must be contiguous"
         self.layer_rows = layer_rows
         self.table = torch.tensor(
             [r.data_ptr() for r in layer_rows], dtype=torch.int64, device=first.device

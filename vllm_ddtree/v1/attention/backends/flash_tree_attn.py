@@ -67,20 +67,18 @@ class FlashTreeAttentionMetadataBuilder(
                 device,
             )
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+    def _attach_tree(self, metadata, common_attn_metadata, tree) -> None:
         cm = common_attn_metadata
-        metadata = super().build(common_prefix_len, cm, fast_build)
         if (
-            self.uniform_trees is not None
-            and cm.causal is True
-            and self.uniform_trees.matches(cm.query_start_loc_cpu)
+            self.uniform_trees is None
+            or cm.causal is not True
+            or not self.uniform_trees.matches(cm.query_start_loc_cpu)
         ):
-            metadata.tree = self.uniform_trees.fill(
-                cm.num_reqs, cm.seq_lens, metadata.tree
-            )
-            # Rows are the batch's requests in order: vLLM's persistent table.
-            metadata.tree_block_table = metadata.block_table
-        return metadata
+            super()._attach_tree(metadata, cm, tree)
+            return
+        metadata.tree = self.uniform_trees.fill(cm.num_reqs, cm.seq_lens, tree)
+        # Rows are the batch's requests in order: vLLM's persistent table.
+        metadata.tree_block_table = metadata.block_table
 
 
 def slot_rows(kv_cache: torch.Tensor) -> torch.Tensor | None:
@@ -124,17 +122,12 @@ class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
     def kv_commit_for_layers(self, kv_caches: list[torch.Tensor]):
         # On a GPU, NHD caches of one geometry: two launches for all layers.
         rows = [slot_rows(cache) for cache in kv_caches]
-        if (
-            not kv_caches
-            or not kv_caches[0].is_cuda
-            or any(r is None for r in rows)
-            or len({(r.shape, r.stride(), r.dtype) for r in rows}) != 1
-        ):
+        if not kv_caches or not kv_caches[0].is_cuda or any(r is None for r in rows):
             return None
         # Imported here: only GPU processes need Triton.
         from vllm_ddtree.v1.ops.triton_kv_commit import SlotRowsCommit
 
-        return SlotRowsCommit(rows)
+        return SlotRowsCommit.for_rows(rows)
 
     def warm_up_tree_kernels(
         self, kv_cache: torch.Tensor, block_table: torch.Tensor, max_nodes: int

@@ -236,10 +236,14 @@ class TreeMetadataBuilderMixin:
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         tree = current_tree() if common_attn_metadata.causal is True else None
+        self._attach_tree(metadata, common_attn_metadata, tree)
+        return metadata
+
+    def _attach_tree(self, metadata, common_attn_metadata, tree) -> None:
+        """Set ``metadata.tree`` and, for a tree, ``tree_block_table``."""
         metadata.tree = tree
         if tree is not None:
             metadata.tree_block_table = metadata.block_table[tree.req_rows.long()]
-        return metadata
 
 
 class TreeAttentionImplMixin:
