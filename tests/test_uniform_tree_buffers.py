@@ -207,3 +207,32 @@ def test_flash_builder_attaches_uniform_or_published_trees():
     mixed = attach([N, 3])
     assert mixed.tree is tree
     assert torch.equal(mixed.tree_block_table, block_table)
+
+
+def test_hybrid_tree_batches_stay_piecewise():
+    """Under DDTree the GDN builder reports single-token-decode graph
+    support (its tree parents are per step, not graph buffers), so vLLM
+    keeps hybrid verify batches piecewise; other engines keep vLLM's value."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    from vllm_ddtree.config import CONFIG_KEY
+    from vllm_ddtree.v1.attention.backends.tree_gdn_attn import (
+        TreeGDNAttentionMetadataBuilder,
+    )
+
+    def config(dflash_config: dict):
+        hf_config = SimpleNamespace(dflash_config=dflash_config)
+        spec = SimpleNamespace(
+            method="dflash", draft_model_config=SimpleNamespace(hf_config=hf_config)
+        )
+        return SimpleNamespace(speculative_config=spec)
+
+    ddtree = config({CONFIG_KEY: {"budget": 8, "max_depth": 15}})
+    support = TreeGDNAttentionMetadataBuilder.get_cudagraph_support(ddtree, None)
+    assert support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    stock = TreeGDNAttentionMetadataBuilder.get_cudagraph_support(config({}), None)
+    assert stock == GDNAttentionMetadataBuilder.get_cudagraph_support(config({}), None)
+    assert stock == AttentionCGSupport.UNIFORM_BATCH
