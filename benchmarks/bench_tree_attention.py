@@ -195,6 +195,15 @@ def run_config(
     except Exception as exc:  # OOM or launch failure: record and go on
         rec["ours_error"] = repr(exc)[:300]
 
+    if args.sweep and "ours_ms" in rec:
+        rec["sweep_ms"] = _sweep_tiles(
+            args, query, key_cache, value_cache, out, block_table, q_start,
+            num_nodes, ctx_len, mask_row_start, tree_mask, scale, n, ctx,
+        )  # fmt: skip
+        best = min(rec["sweep_ms"], key=rec["sweep_ms"].get)
+        rec["sweep_best"] = best
+        rec["sweep_best_ms"] = rec["sweep_ms"][best]
+
     cu_q = torch.arange(batch + 1, **i32) * n
     if fa_fn is not None:
         try:
@@ -244,6 +253,38 @@ def run_config(
             torch.cuda.empty_cache()
 
     return rec  # tensors die with this frame; the caller empties the cache
+
+
+def _sweep_tiles(
+    args, query, key_cache, value_cache, out, block_table, q_start, num_nodes,
+    ctx_len, mask_row_start, tree_mask, scale, n, ctx,
+) -> dict[str, float]:  # fmt: skip
+    """CUDA-graph time of every forced (query tile, split count) variant.
+
+    Keys are ``"<BLOCK_M>x<splits>"``; the data behind ``_pick_tiles`` and
+    ``choose_num_splits``.
+    """
+    times: dict[str, float] = {}
+    for block_m in _ints(args.sweep_block_m):
+        for splits in _ints(args.sweep_splits):
+            if splits > 1 and ctx < splits * 64:
+                continue
+
+            def fn(bm: int = block_m, sp: int = splits) -> None:
+                tree_attention(
+                    query, key_cache, value_cache, out, block_table, q_start,
+                    num_nodes, ctx_len, mask_row_start, tree_mask, scale, n,
+                    max_ctx_len=ctx + n, num_splits=sp, block_m=bm,
+                )  # fmt: skip
+
+            try:
+                eager = _bench(fn, 5, 20)
+                times[f"{block_m}x{splits}"] = (
+                    _bench_graph(fn, _reps(eager)) if not args.eager else eager
+                )
+            except Exception as exc:  # e.g. out of shared memory
+                print(f"sweep {block_m}x{splits}: {exc!r}"[:200], flush=True)
+    return times
 
 
 def _time_fa3_tree(
@@ -352,6 +393,13 @@ def main() -> None:
         action="store_true",
         help="report eager do_bench times (default: CUDA-graph replays, cold L2)",
     )
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time every forced query tile x split count (sweep_ms)",
+    )
+    ap.add_argument("--sweep-block-m", default="32,64,128,256")
+    ap.add_argument("--sweep-splits", default="1,2,3,4,6,8,12")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--no-fa3", action="store_true")
     ap.add_argument("--sdpa-max-gb", type=float, default=40.0)
@@ -415,7 +463,7 @@ def main() -> None:
     hdr = (
         f"{'batch':>5} {'ctx':>6} {'tree':>4} {'split':>5} {'ours ms':>9} "
         f"{'fa3 ms':>9} {'fa3+tree':>9} {'sdpa ms':>9} {'GB/s':>7} {'roofl':>6} "
-        f"{'TFLOP/s':>8}"
+        f"{'TFLOP/s':>8}" + (f" {'best variant':>18}" if args.sweep else "")
     )
     print(hdr, flush=True)
     t0 = time.time()
@@ -440,7 +488,13 @@ def main() -> None:
                     f"{_fmt(rec.get('sdpa_ms'), '>9.4f')} "
                     f"{_fmt(rec.get('ours_GBps'), '>7.0f')} "
                     f"{_fmt(rec.get('roofline_frac'), '>6.2f')} "
-                    f"{_fmt(rec.get('ours_TFLOPs'), '>8.1f')}",
+                    f"{_fmt(rec.get('ours_TFLOPs'), '>8.1f')}"
+                    + (
+                        f" {rec.get('sweep_best', '-'):>8} "
+                        f"{_fmt(rec.get('sweep_best_ms'), '>9.4f')}"
+                        if args.sweep
+                        else ""
+                    ),
                     flush=True,
                 )
     print(f"done in {time.time() - t0:.0f} s", flush=True)

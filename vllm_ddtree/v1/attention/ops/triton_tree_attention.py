@@ -398,16 +398,20 @@ def _tree_attn_reduce_kernel(
         )
 
 
-def _pick_tiles(rows_per_tree: int, head_dim_p2: int) -> tuple[int, int, int, int]:
+def _pick_tiles(
+    rows_per_tree: int, head_dim_p2: int, block_m: int | None = None
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows`` = nodes * G.
 
     Chosen from H200 sweeps (bf16, D=128, page 16): small query tiles are
     memory-bound and like 4 warps / 2 stages; big trees are compute-bound
-    and like wide tiles (256 x 64, 8 warps).
+    and like wide tiles (256 x 64, 8 warps).  ``block_m`` forces the query
+    tile (a power of two in 16..256; tuning sweeps).
     """
-    block_m = 16
-    while block_m < rows_per_tree and block_m < 256:
-        block_m *= 2
+    if block_m is None:
+        block_m = 16
+        while block_m < rows_per_tree and block_m < 256:
+            block_m *= 2
     if head_dim_p2 >= 256:
         block_m = min(block_m, 64)
         return block_m, 32, 4, 2
@@ -460,6 +464,7 @@ def tree_attention(
     num_splits: int | None = None,
     lse: torch.Tensor | None = None,
     tree_only: bool = False,
+    block_m: int | None = None,
 ) -> torch.Tensor | None:
     """Tree attention over a paged KV cache; writes ``out`` in place.
 
@@ -500,6 +505,8 @@ def tree_attention(
         tree_only: attend to the tree nodes only, not to the context (for a
             context pass by another kernel, merged by log-sum-exp); no
             split-KV.
+        block_m: force the query tile (rows of ``(node, q head)`` pairs per
+            program); default: picked from the tree size.
 
     Returns:
         The LSE tensor if requested, else ``None``.
@@ -522,7 +529,9 @@ def tree_attention(
         return lse if return_lse else None
 
     block_d = triton.next_power_of_2(head_dim)
-    block_m, block_n, num_warps, num_stages = _pick_tiles(max_nodes * group, block_d)
+    block_m, block_n, num_warps, num_stages = _pick_tiles(
+        max_nodes * group, block_d, block_m
+    )
     q_tiles = triton.cdiv(max_nodes * group, block_m)
     if tree_only:
         num_splits = 1
