@@ -95,3 +95,28 @@ def test_tree_walk_samples_the_target_distribution(fixtures):
         assert Counter(ref_tokens).most_common(1)[0][1] < 0.95 * NUM_SAMPLES
         p = _homogeneity_pvalue(ref_tokens, [s[pos] for s in samples])
         assert p > 1e-3, f"position {pos}: DDTree and no-spec differ (p={p:.2e})"
+
+
+def test_draftless_sampling_falls_back_off_gpu():
+    """Without published positions (and always on CPU) the wrapped top-k /
+    top-p stage is vLLM's own; positions published on CPU are dropped after
+    one step."""
+    import torch
+
+    from vllm_ddtree.v1.sample.tree_rejection_sampler import PositionSeededTopKTopP
+
+    calls = []
+
+    def inner(logits, generators, k, p):
+        calls.append((logits, generators, k, p))
+        return logits.argmax(-1), None
+
+    inner.logprobs_mode = "raw_logprobs"
+    wrapped = PositionSeededTopKTopP(inner, use_fp64_gumbel=False)
+    logits = torch.randn(3, 7)
+    wrapped.positions = torch.tensor([1, 2, 3])
+    got, _ = wrapped(logits, {}, None, None)
+    assert torch.equal(got, logits.argmax(-1)) and len(calls) == 1
+    assert wrapped.positions is None
+    wrapped(logits, {}, None, None)
+    assert len(calls) == 2

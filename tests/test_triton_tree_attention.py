@@ -276,11 +276,26 @@ def test_split_heuristic():
     from vllm_ddtree.v1.attention.ops.triton_tree_attention import choose_num_splits
 
     assert choose_num_splits(1000, 32768, 132, 64) == 1  # grid already full
-    assert choose_num_splits(8, 300, 132, 64) == 1  # short context
+    assert choose_num_splits(8, 250, 132, 64) == 1  # short context
     assert choose_num_splits(8, 32768, 132, 64) == 33  # one wave, 2 per SM
     assert choose_num_splits(32, 16384, 132, 64) == 8
     assert choose_num_splits(16, 32768, 132, 64, block_m=128) == 8  # 1 per SM
-    assert choose_num_splits(8, 1024, 132, 64) == 4  # >= 256 positions a split
+    assert choose_num_splits(8, 1024, 132, 64) == 8  # >= 128 positions a split
+    # The B = 64 engine step at batch 1 (65 nodes x 4 q heads in 64-row tiles,
+    # 8 kv heads): one wave of 2 programs per SM.
+    assert choose_num_splits(40, 1024, 132, 64, block_m=64) == 6
+
+
+def test_tile_heuristic():
+    """Query tiles of at most 64 rows up to 512 rows (H200 sweep), wide
+    tiles for bigger trees."""
+    from vllm_ddtree.v1.attention.ops.triton_tree_attention import _pick_tiles
+
+    assert [_pick_tiles(r, 128)[0] for r in (4, 17, 33, 68, 260, 512)] == [
+        16, 32, 64, 64, 64, 64,
+    ]  # fmt: skip
+    assert _pick_tiles(513, 128)[0] == 256
+    assert _pick_tiles(260, 128, block_m=128)[:3] == (128, 128, 8)
 
 
 # ---------------------------------------------------------------------------

@@ -88,3 +88,28 @@ def test_one_draw_per_seed_and_position():
     other = _choices(logits, node_req, positions, temperature, {0: 8, 1: 7})
     assert not torch.equal(other[:200], first[:200])
     assert torch.equal(other[200:400], first[200:400])
+
+
+def test_draftless_steps_draw_like_tree_nodes():
+    """A step without drafts samples through vLLM's Sampler; the wrapped
+    top-k / top-p stage draws the same (seed, position) sample as a tree node,
+    so a seeded request's first token (its prefill sample) is V2's too."""
+    from vllm_ddtree.v1.sample.tree_rejection_sampler import PositionSeededTopKTopP
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    logits = torch.randn(4, VOCAB, device="cuda", generator=gen)
+    positions = torch.tensor([5, 9, 9, 31], device="cuda")
+    temperature = torch.tensor([0.7, 1.0, 1.0, 1.3], device="cuda")
+    top_k = torch.tensor([5, VOCAB, VOCAB, 3], dtype=torch.int32, device="cuda")
+    seeds = {0: 11, 1: 12, 2: 12, 3: 13}
+    want = _choices(logits, np.arange(4), positions, temperature, seeds, top_k)
+
+    inner = SimpleNamespace(logprobs_mode="raw_logprobs")
+    wrapped = PositionSeededTopKTopP(inner, use_fp64_gumbel=False)
+    wrapped.positions = positions
+    generators = {
+        r: torch.Generator(device="cuda").manual_seed(s) for r, s in seeds.items()
+    }
+    got, _ = wrapped(logits / temperature[:, None], generators, top_k, None)
+    assert torch.equal(got, want)
+    assert wrapped.positions is None  # published positions serve one step

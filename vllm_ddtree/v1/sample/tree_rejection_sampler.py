@@ -68,6 +68,80 @@ def _top_k_top_p_per_row(
     )
 
 
+def request_seeds(
+    generators: dict[int, torch.Generator], num_reqs: int, device: torch.device
+) -> torch.Tensor:
+    """Every request's Gumbel seed as vLLM's V2 sampler keys it: the seed of
+    a seeded request (its generator's), a fresh random one otherwise."""
+    seeds = torch.randint(
+        -(2**63), 2**63 - 1, (num_reqs,), dtype=torch.int64, device=device
+    )
+    if generators:
+        rows = list(generators)
+        chosen = [g.initial_seed() for g in generators.values()]
+        # A seed is a uint64 to torch and an int64 to vLLM's V2 sampler.
+        chosen = [c - 2**64 if c >= 2**63 else c for c in chosen]
+        seeds[torch.tensor(rows, device=device)] = torch.tensor(
+            chosen, dtype=torch.int64, device=device
+        )
+    return seeds
+
+
+class PositionSeededTopKTopP(torch.nn.Module):
+    """Wraps vLLM's V1 ``TopKTopPSampler`` (the last stage of its ``Sampler``)
+    so that steps without drafts (prefills, steps whose drafter was skipped)
+    draw, on a GPU, the same Gumbel-max sample as the tree verification:
+    keyed by (request seed, position), as vLLM's V2 runner draws it.
+    Without it a seeded request's first token came from the V1 generator and
+    its later tokens from the V2 keying, matching neither runner's
+    no-speculation output.
+
+    The runner publishes ``positions`` (one per logit row, rows are requests)
+    before every step that samples through vLLM's ``Sampler``; it is used once.
+    Unpublished (CPU, dummy runs), the wrapped sampler runs unchanged.
+    """
+
+    def __init__(self, inner: torch.nn.Module, use_fp64_gumbel: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self.use_fp64_gumbel = use_fp64_gumbel
+        self.positions: torch.Tensor | None = None
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        generators: dict[int, torch.Generator],
+        k: torch.Tensor | None,
+        p: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        positions, self.positions = self.positions, None
+        if positions is None or not logits.is_cuda:
+            return self.inner(logits, generators, k, p)
+        from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+        # ``logits`` already carry the temperature (vLLM's Sampler applied
+        # it); greedy rows are replaced by their argmax after this call.
+        logits = apply_top_k_top_p(logits, k, p)
+        mode = self.inner.logprobs_mode
+        processed = None
+        if mode == "processed_logits":
+            processed = logits
+        elif mode == "processed_logprobs":
+            processed = logits.log_softmax(dim=-1, dtype=torch.float32)
+        num_rows = logits.shape[0]
+        rows = torch.arange(num_rows, device=logits.device)
+        sampled = gumbel_sample(
+            logits,
+            rows,
+            torch.ones(num_rows, dtype=torch.float32, device=logits.device),
+            request_seeds(generators, num_rows, logits.device),
+            positions,
+            apply_temperature=False,
+            use_fp64=self.use_fp64_gumbel,
+        )
+        return sampled, processed
+
+
 class TreeRejectionSampler(RejectionSampler):
     def __init__(
         self, sampler, spec_config=None, device=None, use_fp64_gumbel: bool = False
@@ -201,17 +275,7 @@ class TreeRejectionSampler(RejectionSampler):
         node_req = torch.from_numpy(node_req_np).to(device, non_blocking=True)
         temperature = sampling_metadata.temperature.float()
         temperature = torch.where(temperature < _GREEDY_EPS, 0.0, temperature)
-        seeds = torch.randint(
-            -(2**63), 2**63 - 1, (num_reqs,), dtype=torch.int64, device=device
-        )
-        if sampling_metadata.generators:
-            rows = list(sampling_metadata.generators)
-            chosen = [g.initial_seed() for g in sampling_metadata.generators.values()]
-            # A seed is a uint64 to torch and an int64 to vLLM's V2 sampler.
-            chosen = [c - 2**64 if c >= 2**63 else c for c in chosen]
-            seeds[torch.tensor(rows, device=device)] = torch.tensor(
-                chosen, dtype=torch.int64, device=device
-            )
+        seeds = request_seeds(sampling_metadata.generators, num_reqs, device)
         processed = logits.float().clone()
         apply_temperature(processed, node_req, temperature)
         return gumbel_sample(

@@ -47,6 +47,7 @@ from vllm_ddtree.v1.attention.backends.tree_attn import (
 )
 from vllm_ddtree.v1.attention.backends.tree_gdn_attn import commit_gdn_layer
 from vllm_ddtree.v1.sample.tree_rejection_sampler import (
+    PositionSeededTopKTopP,
     TreeRejectionSampler,
     TreeVerifyInput,
 )
@@ -116,6 +117,10 @@ class DDTreeModelRunnerMixin:
             self.device,
             use_fp64_gumbel=self.model_config.use_fp64_gumbel,
         )
+        self.seeded_sampling = PositionSeededTopKTopP(
+            self.sampler.topk_topp_sampler, self.model_config.use_fp64_gumbel
+        )
+        self.sampler.topk_topp_sampler = self.seeded_sampling
         self._trees: dict[str, StoredTree] = {}
         self._plan: VerifyPlan | None = None
         # Set by measure_verify_latency() once the engine is warmed up.
@@ -131,10 +136,15 @@ class DDTreeModelRunnerMixin:
         for req_id in scheduler_output.finished_req_ids:
             self._trees.pop(req_id, None)
         self._plan = None
+        self.seeded_sampling.positions = None
         if spec_metadata is not None:
             self._plan = self._plan_verify(
                 scheduler_output, num_scheduled_tokens, spec_metadata
             )
+        elif self.positions.is_cuda:
+            # No drafts this step: vLLM's Sampler draws (see
+            # PositionSeededTopKTopP).
+            self.seeded_sampling.positions = self.positions[logits_indices]
         return logits_indices, spec_metadata
 
     def _plan_verify(self, scheduler_output, num_scheduled_tokens, spec_metadata):

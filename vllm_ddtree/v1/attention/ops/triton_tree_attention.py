@@ -48,7 +48,7 @@ __all__ = ["tree_attention", "choose_num_splits"]
 _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Smallest context chunk (positions) handed to one split.
-_MIN_CHUNK = 256
+_MIN_CHUNK = 128
 _MAX_SPLITS = 64
 
 _NUM_SMS: dict[int, int] = {}
@@ -403,14 +403,19 @@ def _pick_tiles(
 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``rows`` = nodes * G.
 
-    Chosen from H200 sweeps (bf16, D=128, page 16): small query tiles are
-    memory-bound and like 4 warps / 2 stages; big trees are compute-bound
-    and like wide tiles (256 x 64, 8 warps).  ``block_m`` forces the query
-    tile (a power of two in 16..256; tuning sweeps).
+    Chosen from H200 sweeps (bf16, D=128, page 16; ``bench_tree_attention.py
+    --sweep``): up to 512 rows (trees of up to 128 nodes at G = 4), query
+    tiles of at most 64 rows win at every batch size (at batch 1 a 65-node
+    tree took 34-37 us in 64-row tiles against 64 us in one 256-row tile plus
+    a 4-row one), because more, smaller programs fill the GPU where one
+    wide tile serialises the context.  Bigger trees keep wide tiles (256 x 64,
+    8 warps; compute-bound).  ``block_m`` forces the query tile (a power of
+    two in 16..256; tuning sweeps).
     """
     if block_m is None:
         block_m = 16
-        while block_m < rows_per_tree and block_m < 256:
+        cap = 64 if rows_per_tree <= 512 else 256
+        while block_m < rows_per_tree and block_m < cap:
             block_m *= 2
     if head_dim_p2 >= 256:
         block_m = min(block_m, 64)
