@@ -40,6 +40,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from vllm_ddtree.v1.attention.ops.flash_context_tree_attention import (  # noqa: E402
+    flash_context_tree_attention,
+)
 from vllm_ddtree.v1.attention.ops.triton_tree_attention import (  # noqa: E402
     _pick_tiles,
     choose_num_splits,
@@ -140,7 +143,6 @@ def run_config(
     n: int,
     args: argparse.Namespace,
     fa_fn,
-    merge_fn,
 ) -> dict:
     hq, hkv, d, page = args.q_heads, args.kv_heads, args.head_dim, args.page
     dtype = getattr(torch, args.dtype)
@@ -222,14 +224,14 @@ def run_config(
         except Exception as exc:
             rec["fa3_error"] = repr(exc)[:300]
 
-    if fa_fn is not None and merge_fn is not None and "ours_ms" in rec:
+    if fa_fn is not None and "ours_ms" in rec:
         try:
             ours()  # the FA3 chain column wrote ``out`` too
             rec.update(
                 _time_fa3_tree(
-                    args, fa_fn, merge_fn, query, key_cache, value_cache,
-                    block_table, cu_q, q_start, num_nodes, ctx_len,
-                    mask_row_start, tree_mask, scale, n, ctx, out,
+                    args, query, key_cache, value_cache, block_table, cu_q,
+                    num_nodes, ctx_len, mask_row_start, tree_mask, scale, n,
+                    ctx, out,
                 )
             )  # fmt: skip
         except Exception as exc:
@@ -288,30 +290,17 @@ def _sweep_tiles(
 
 
 def _time_fa3_tree(
-    args, fa_fn, merge_fn, query, key_cache, value_cache, block_table, cu_q,
-    q_start, num_nodes, ctx_len, mask_row_start, tree_mask, scale, n, ctx, ours_out,
+    args, query, key_cache, value_cache, block_table, cu_q, num_nodes, ctx_len,
+    mask_row_start, tree_mask, scale, n, ctx, ours_out,
 ) -> dict:  # fmt: skip
     """FlashAttention over the context + the tree-only pass, merged by LSE."""
-    num_tokens, hq, _ = query.shape
-    ctx_out = torch.empty_like(query)
-    tree_out = torch.empty_like(query)
     merged = torch.empty_like(query)
-    # vLLM's LSE layout is [heads, tokens]; the tree pass writes its transpose.
-    tree_lse = torch.empty(hq, num_tokens, dtype=torch.float32, device=query.device)
 
     def fa3_tree():
-        _, ctx_lse = fa_fn(
-            q=query, k=key_cache, v=value_cache, out=ctx_out, cu_seqlens_q=cu_q,
-            max_seqlen_q=n, seqused_k=ctx_len, max_seqlen_k=ctx,
-            softmax_scale=scale, causal=False, block_table=block_table,
-            return_softmax_lse=True, fa_version=3,
+        flash_context_tree_attention(
+            query, key_cache, value_cache, merged, block_table, cu_q, num_nodes,
+            ctx_len, mask_row_start, tree_mask, scale, n, ctx,
         )  # fmt: skip
-        tree_attention(
-            query, key_cache, value_cache, tree_out, block_table, q_start,
-            num_nodes, ctx_len, mask_row_start, tree_mask, scale, n,
-            lse=tree_lse.T, tree_only=True,
-        )  # fmt: skip
-        merge_fn(merged, ctx_out, ctx_lse, tree_out, tree_lse)
 
     eager = _bench(fa3_tree, args.warmup, args.rep)
     ms = _bench_graph(fa3_tree, _reps(eager)) if not args.eager else eager
@@ -417,12 +406,6 @@ def main() -> None:
             fa_note = "vllm.vllm_flash_attn (fa_version=3)"
         except Exception as exc:
             fa_note = f"unavailable: {exc!r}"[:200]
-    merge_fn = None
-    if fa_fn is not None:
-        from vllm.v1.attention.ops.merge_attn_states import (
-            merge_attn_states as merge_fn,
-        )
-
     args.copy_bw = measure_copy_bandwidth()
     torch.cuda.empty_cache()
     props = torch.cuda.get_device_properties(0)
@@ -471,7 +454,7 @@ def main() -> None:
         for ctx in _ints(args.contexts):
             for n in _ints(args.trees):
                 try:
-                    rec = run_config(batch, ctx, n, args, fa_fn, merge_fn)
+                    rec = run_config(batch, ctx, n, args, fa_fn)
                 except Exception as exc:  # e.g. OOM while building the batch
                     rec = {"batch": batch, "ctx": ctx, "tree": n}
                     rec["error"] = repr(exc)[:300]

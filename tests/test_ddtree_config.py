@@ -41,6 +41,7 @@ def _spec(**overrides):
         ({"ddtree": [1]}, "'ddtree'"),
         ({"ddtree": {"force_spine": "yes"}}, "'ddtree.force_spine'"),
         ({"ddtree": {"adaptive_budget": 1}}, "'ddtree.adaptive_budget'"),
+        ({"ddtree": {"flash_context": "on"}}, "'ddtree.flash_context'"),
         ({"ddtree": {"max_depth": 0}}, "'ddtree.max_depth'"),
         ({"disable_padded_drafter_batch": True}, "'disable_padded_drafter_batch'"),
         ({"rejection_sample_method": "synthetic"}, "'rejection_sample_method'"),

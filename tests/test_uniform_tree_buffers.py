@@ -175,8 +175,9 @@ def test_uniform_metadata_gives_the_same_attention(seed):
 
 def test_flash_builder_attaches_uniform_or_published_trees():
     """The GPU builder's glue: uniform batches get the buffers (and vLLM's
-    own block table, rows in order); other batches the published tree with
-    its rows' block-table rows."""
+    own block table, rows in order) and, with ``ddtree.flash_context``, the
+    FlashAttention-context path; other batches the published tree with its
+    rows' block-table rows and the fused kernel."""
     from types import SimpleNamespace
 
     from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
@@ -187,6 +188,7 @@ def test_flash_builder_attaches_uniform_or_published_trees():
         FlashTreeAttentionMetadataBuilder
     )
     builder.uniform_trees = UniformTreeBuffers(4, N, 64, torch.device("cpu"))
+    builder.flash_context = True
     tree = _published(_random_parents(2, torch.Generator()), [5, 9])
     block_table = torch.arange(8, dtype=torch.int32).view(2, 4)
 
@@ -204,9 +206,11 @@ def test_flash_builder_attaches_uniform_or_published_trees():
     uniform = attach([N, N])
     assert uniform.tree.packed is not None and uniform.tree.ctx_len_bound == 64
     assert uniform.tree_block_table is block_table
+    assert uniform.tree_flash_context
     mixed = attach([N, 3])
     assert mixed.tree is tree
     assert torch.equal(mixed.tree_block_table, block_table)
+    assert not getattr(mixed, "tree_flash_context", False)
 
 
 def test_hybrid_tree_batches_stay_piecewise():

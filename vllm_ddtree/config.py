@@ -43,18 +43,26 @@ class DDTreeConfig:
             the target measured at startup (see ``adaptive_budget.py``);
             ``budget`` (and a request's own budget) stay the upper bounds.
             Off: every request verifies its full budget.
+        flash_context: on NVIDIA GPUs, verify batches made only of full
+            trees (the ones replayed as full CUDA graphs) with
+            FlashAttention over the context plus a tree-only Triton pass,
+            merged by log-sum-exp, instead of the one fused Triton kernel
+            (faster for trees of 32+ nodes and long contexts at kernel
+            level; see ``flash_context_tree_attention.py``). Off until the
+            engine-level comparison is measured.
     """
 
     budget: int
     max_depth: int
     force_spine: bool = False
     adaptive_budget: bool = True
+    flash_context: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-_BOOL_KEYS = ("force_spine", "adaptive_budget")
+_BOOL_KEYS = ("force_spine", "adaptive_budget", "flash_context")
 _USER_KEYS = {*_BOOL_KEYS, "max_depth"}
 # Chain-speculation options that DDTree replaces: the value a user may leave
 # (vLLM's default) and why any other value cannot be honoured.
@@ -179,6 +187,7 @@ def finalize(speculative_config: Any, options: dict[str, Any]) -> DDTreeConfig:
         max_depth=max_depth,
         force_spine=options.get("force_spine", False),
         adaptive_budget=options.get("adaptive_budget", True),
+        flash_context=options.get("flash_context", False),
     )
     dflash_config[CONFIG_KEY] = cfg.to_dict()
     return cfg

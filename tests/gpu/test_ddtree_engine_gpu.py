@@ -142,3 +142,29 @@ def test_seeded_samples_equal_v2_no_spec(fixtures, monkeypatch):
         assert generate(llm) == expected
     finally:
         shutdown_llm(llm)
+
+
+def test_flash_context_greedy_equals_no_spec(fixtures, expected, monkeypatch):
+    """``ddtree.flash_context``: uniform tree batches (full CUDA graphs) take
+    FlashAttention over the context + the tree-only pass, and greedy output
+    still equals no-spec."""
+    from vllm_ddtree.v1.attention.backends import flash_tree_attn
+
+    calls = []
+    inner = flash_tree_attn.flash_context_tree_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        inner(*args, **kwargs)
+
+    monkeypatch.setattr(flash_tree_attn, "flash_context_tree_attention", counted)
+    oracle = Oracle({tuple(p): p + o for p, o in zip(PROMPTS, expected, strict=True)})
+    spec = ddtree_config(fixtures.dense_drafter, 64, flash_context=True)
+    with oracle_drafter(oracle):
+        llm = _engine(fixtures.dense_target, False, spec=spec)
+        try:
+            assert _generate(llm) == expected
+            assert _generate(llm, PROMPTS[:1]) == expected[:1]
+        finally:
+            shutdown_llm(llm)
+    assert calls  # captured (or run eagerly) at least once

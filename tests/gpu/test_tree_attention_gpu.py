@@ -259,8 +259,10 @@ def test_tree_only_pass(dtype):
 def test_flash_context_plus_tree_only_merge():
     """FlashAttention over the context + our tree-only pass, merged by LSE
     (vLLM's ``merge_attn_states``), equals the fused kernel."""
-    flash = pytest.importorskip("vllm.vllm_flash_attn")
-    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
+    pytest.importorskip("vllm.vllm_flash_attn")
+    from vllm_ddtree.v1.attention.ops.flash_context_tree_attention import (
+        flash_context_tree_attention,
+    )
 
     rows = [(65, 1000), (17, 4096), (1, 37), (33, 16)]  # a root always has context
     b = H.make_batch(
@@ -269,17 +271,13 @@ def test_flash_context_plus_tree_only_merge():
     )  # fmt: skip
     fused = b.poisoned_out()
     _kernel()(*b.args(fused))
-    ctx_out, tree_out, merged = (b.poisoned_out() for _ in range(3))
-    tree_lse = torch.empty(b.query.shape[1], b.query.shape[0], device="cuda")
+    merged = b.poisoned_out()
     ends = torch.cumsum(b.num_nodes, 0, dtype=torch.int32)
     cu_q = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), ends])
-    _, ctx_lse = flash.flash_attn_varlen_func(
-        q=b.query, k=b.key_cache, v=b.value_cache, out=ctx_out, cu_seqlens_q=cu_q,
-        max_seqlen_q=b.max_nodes, seqused_k=b.ctx_len, max_seqlen_k=4096,
-        softmax_scale=b.scale, causal=False, block_table=b.block_table,
-        return_softmax_lse=True, fa_version=3,
+    flash_context_tree_attention(
+        b.query, b.key_cache, b.value_cache, merged, b.block_table, cu_q,
+        b.num_nodes, b.ctx_len, b.mask_row_start, b.tree_mask, b.scale,
+        b.max_nodes, 4096,
     )  # fmt: skip
-    _kernel()(*b.args(tree_out), lse=tree_lse.T, tree_only=True)
-    merge_attn_states(merged, ctx_out, ctx_lse, tree_out, tree_lse)
     err = (merged.float() - fused.float()).norm() / fused.float().norm()
     assert err < 1e-2

@@ -15,7 +15,9 @@ are what vLLM captures as full graphs (``UNIFORM_BATCH`` support): their
 tree inputs live in :class:`~.tree_attn.UniformTreeBuffers`, refilled by the
 builder every step. Other verify batches (mixed with prefills, or trees cut
 by adaptive budgets) run with piecewise graphs, attention eager. A batch
-made only of trees skips FlashAttention: one Triton launch per layer.
+made only of trees skips FlashAttention's causal pass: one Triton launch per
+layer, or, with ``ddtree.flash_context``, FlashAttention over the context +
+a tree-only Triton pass (see ``flash_context_tree_attention.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from vllm_ddtree.v1.attention.backends.tree_attn import (
     TreeAttentionImplMixin,
     TreeMetadataBuilderMixin,
     UniformTreeBuffers,
+)
+from vllm_ddtree.v1.attention.ops.flash_context_tree_attention import (
+    flash_context_tree_attention,
 )
 from vllm_ddtree.v1.attention.ops.triton_tree_attention import (
     compile_variants,
@@ -54,7 +59,9 @@ class FlashTreeAttentionMetadataBuilder(
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.uniform_trees: UniformTreeBuffers | None = None
-        if get_ddtree_config(vllm_config) is not None:
+        cfg = get_ddtree_config(vllm_config)
+        self.flash_context = cfg is not None and cfg.flash_context
+        if cfg is not None:
             # A padded graph batch has at most one request per token.
             max_reqs = max(
                 vllm_config.scheduler_config.max_num_seqs,
@@ -79,6 +86,7 @@ class FlashTreeAttentionMetadataBuilder(
         metadata.tree = self.uniform_trees.fill(cm.num_reqs, cm.seq_lens, tree)
         # Rows are the batch's requests in order: vLLM's persistent table.
         metadata.tree_block_table = metadata.block_table
+        metadata.tree_flash_context = self.flash_context
 
 
 def slot_rows(kv_cache: torch.Tensor) -> torch.Tensor | None:
@@ -142,11 +150,33 @@ class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
             raise NotImplementedError("tree attention does not support sliding windows")
         key_cache, value_cache = self._cache_views(kv_cache)
         packed_mask, mask_row_start = tree.packed_mask
+        query = query.view(-1, self.num_heads, self.head_size)
+        output = output.view(-1, self.num_heads, self.head_size)
+        if getattr(metadata, "tree_flash_context", False):
+            # A uniform batch: its tokens are the trees' nodes, in order.
+            flash_context_tree_attention(
+                query,
+                key_cache,
+                value_cache,
+                output,
+                metadata.tree_block_table,
+                metadata.query_start_loc,
+                tree.num_nodes,
+                tree.ctx_len,
+                mask_row_start,
+                packed_mask,
+                self.scale,
+                tree.max_nodes,
+                tree.max_ctx_len,
+                fa_version=self.vllm_flash_attn_version,
+                num_splits=metadata.max_num_splits,
+            )
+            return
         tree_attention(
-            query.view(-1, self.num_heads, self.head_size),
+            query,
             key_cache,
             value_cache,
-            output.view(-1, self.num_heads, self.head_size),
+            output,
             metadata.tree_block_table,
             tree.q_start,
             tree.num_nodes,
