@@ -78,7 +78,10 @@ def _speculative_config(job: dict) -> dict | None:
         "num_speculative_tokens": job["budget"],
     }
     if job["method"] == "ddtree":
-        config["ddtree"] = {"adaptive_budget": not job["fixed_budget"]}
+        config["ddtree"] = {
+            "adaptive_budget": not job["fixed_budget"],
+            "flash_context": job["flash_context"],
+        }
     return config
 
 
@@ -185,6 +188,7 @@ def run_worker(job: dict) -> list[dict]:
                     "budget": job["budget"],
                     "adaptive_budget": job["method"] == "ddtree"
                     and not job["fixed_budget"],
+                    "flash_context": job["method"] == "ddtree" and job["flash_context"],
                     "batch": batch,
                     "temperature": temperature,
                     "requests": waves * batch,
@@ -255,6 +259,8 @@ def table(rows: list[dict]) -> str:
         budget = r["budget"] if r["method"] == "ddtree" else "-"
         if r["method"] == "ddtree" and not r.get("adaptive_budget", True):
             budget = f"{budget} fixed"
+        if r.get("flash_context"):
+            budget = f"{budget} flash-ctx"
         tau = r["tau"] if r["method"] != "nospec" else None
         lines.append(
             f"| {r['batch']} | {r['temperature']:g} | {r['method']} | {budget} "
@@ -449,6 +455,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="ddtree: verify every tree's full budget (adaptive budgets off)",
     )
+    ap.add_argument(
+        "--flash-context",
+        action="store_true",
+        help="ddtree: FlashAttention context + tree-only pass (ddtree.flash_context)",
+    )
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -502,6 +513,8 @@ def main(argv: list[str] | None = None) -> None:
         tag = f"{job['method']}" + (f"-B{job['budget']}" if job["budget"] else "")
         if job["method"] == "ddtree" and args.fixed_budget:
             tag += "-fixed"
+        if job["method"] == "ddtree" and args.flash_context:
+            tag += "-flashctx"
         job.update(
             target=args.target,
             drafter=args.drafter,
@@ -513,6 +526,7 @@ def main(argv: list[str] | None = None) -> None:
             min_requests=args.min_requests,
             engine=engine,
             fixed_budget=args.fixed_budget,
+            flash_context=args.flash_context,
             result=str(rows_dir / f"{tag}.json"),
         )
         spec_path = rows_dir / f".{tag}.job"

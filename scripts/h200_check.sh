@@ -10,17 +10,18 @@
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
 #   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits at engine shapes, + FA3 (~3 min)
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
+#   bash scripts/h200_check.sh e2e-8b-flash  # + DDTree with ddtree.flash_context, same table (~4 min)
 #   bash scripts/h200_check.sh profile # one DDTree step of dummy Qwen3-8B profiled (~7 min)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
 #   bash scripts/h200_check.sh e2e     # no-spec / dflash / ddtree on that pair (~9 min)
-# (train and e2e must run back to back: /tmp survives only while the machine
-# stays warm.)
+# (train and e2e, e2e-8b and e2e-8b-flash must run back to back: /tmp survives
+# only while the machine stays warm.)
 # Every engine runs in a process of its own (in-process engines neither free
 # GPU memory nor reset vLLM's CUDA-graph state). Full logs are packed into
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve-hybrid|kernels|sweep|e2e-8b|profile|train|e2e}
+mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve-hybrid|kernels|sweep|e2e-8b|e2e-8b-flash|profile|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -83,6 +84,7 @@ graphs)
   engine_test engine-False-16-64 110 tests/gpu/test_ddtree_engine_gpu.py False-16-64
   engine_test engine-small_max_num_seqs 110 tests/gpu/test_ddtree_engine_gpu.py \
     small_max_num_seqs
+  engine_test engine-flash_context 150 tests/gpu/test_ddtree_engine_gpu.py flash_context
   ;;
 sampling)
   step sampler 120 python3 -m pytest -q -rf tests/gpu/test_tree_sampling_gpu.py
@@ -106,14 +108,19 @@ sweep)
   step tile-sweep 200 python3 benchmarks/bench_tree_attention.py --sweep --no-sdpa \
     --batches 1,4,16 --contexts 1024,4096 --trees 17,65 --out "$out/tile_sweep.json"
   ;;
-e2e-8b)
+e2e-8b | e2e-8b-flash)
   # DDTree's first start on a fresh machine compiles its Triton variants
   # (about 90 s for the 8B geometry), hence the longer job timeout.
-  step e2e-8b 590 python3 benchmarks/bench_e2e.py --out /tmp/e2e-8b \
-    --target benchmarks/configs/qwen3-8b --drafter benchmarks/configs/qwen3-8b-dflash \
-    --load-format dummy --methods nospec,dflash,ddtree --budgets 64 --fixed-budget \
-    --batch-sizes 1,16 --temperatures 0 --prompt-len 768 --max-tokens 64 \
-    --max-cudagraph-capture-size 1040 --job-timeout 280
+  e2e_8b=(python3 benchmarks/bench_e2e.py --out /tmp/e2e-8b
+    --target benchmarks/configs/qwen3-8b --drafter benchmarks/configs/qwen3-8b-dflash
+    --load-format dummy --budgets 64 --fixed-budget --batch-sizes 1,16
+    --temperatures 0 --prompt-len 768 --max-tokens 64
+    --max-cudagraph-capture-size 1040 --job-timeout 280)
+  if [ "$mode" = e2e-8b ]; then
+    step e2e-8b 590 "${e2e_8b[@]}" --methods nospec,dflash,ddtree
+  else
+    step e2e-8b-flash 300 "${e2e_8b[@]}" --methods ddtree --flash-context
+  fi
   cp /tmp/e2e-8b/results.json "$out/e2e-8b.json"
   cp /tmp/e2e-8b/table.md "$out/e2e-8b.md"
   ;;
