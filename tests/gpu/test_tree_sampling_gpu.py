@@ -36,8 +36,11 @@ def _choices(logits, node_req, positions, temperature, seeds=None, top_k=None):
         generators=generators,
     )
     sampler = SimpleNamespace(use_fp64_gumbel=False)
+    rows = SimpleNamespace(
+        node_req=torch.as_tensor(np.asarray(node_req), device="cuda")
+    )
     return TreeRejectionSampler._gumbel_choices(
-        sampler, logits, np.asarray(node_req), positions, metadata
+        sampler, logits, rows, positions, metadata
     )
 
 

@@ -38,17 +38,66 @@ from vllm_ddtree.v1.spec_decode.tree import WalkResult, walk_trees
 
 
 @dataclass
+class VerifyRows:
+    """Where each node of each request sits in vLLM's flattened verify batch
+    (request ``r`` has ``num_draft[r]`` drafts; its root and nodes are
+    consecutive logit rows, its drafts consecutive draft-token rows).
+
+    ``[R, W]`` maps over node ``j`` of request ``r`` (``W`` the widest tree):
+    ``logit_rows`` and ``draft_rows`` (0 where invalid), ``is_draft`` (a
+    valid non-root node); ``node_req`` (device) and ``node_req_np`` (host)
+    give every logit row's request.
+    """
+
+    num_nodes: torch.Tensor
+    logit_rows: torch.Tensor
+    draft_rows: torch.Tensor
+    is_draft: torch.Tensor
+    node_req: torch.Tensor
+    node_req_np: np.ndarray
+
+    @staticmethod
+    def host_arrays(num_draft: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The maps on the host, in field order (``node_req_np`` last)."""
+        num_nodes = num_draft + 1
+        width = int(num_nodes.max())
+        node_ids = np.arange(width)
+        valid = node_ids[None, :] < num_nodes[:, None]
+        is_draft = valid & (node_ids[None, :] > 0)
+        logit_starts = np.cumsum(num_nodes) - num_nodes
+        draft_starts = np.cumsum(num_draft) - num_draft
+        logit_rows = np.where(valid, logit_starts[:, None] + node_ids[None, :], 0)
+        draft_rows = np.where(
+            is_draft, draft_starts[:, None] + node_ids[None, :] - 1, 0
+        )
+        node_req = np.repeat(np.arange(len(num_nodes)), num_nodes)
+        return num_nodes, logit_rows, draft_rows, is_draft, node_req
+
+    @classmethod
+    def from_device(
+        cls, tensors: list[torch.Tensor], node_req_np: np.ndarray
+    ) -> VerifyRows:
+        """From the device copies of :meth:`host_arrays` (any int dtype)."""
+        num_nodes, logit_rows, draft_rows, is_draft, node_req = tensors
+        return cls(
+            num_nodes, logit_rows, draft_rows, is_draft.bool(), node_req, node_req_np
+        )
+
+
+@dataclass
 class TreeVerifyInput:
     """Tree structure of every row of the current verify batch.
 
     ``parents`` is ``[num_reqs, N]`` on the device (root column and padding
     ``-1``), ``max_depth`` bounds every node's depth. ``positions`` holds the
-    (depth-based) position of every logit row, when known.
+    (depth-based) position of every logit row, when known; ``rows`` the
+    batch layout, uploaded with the runner's other step inputs.
     """
 
     parents: torch.Tensor
     max_depth: int
     positions: torch.Tensor | None = None
+    rows: VerifyRows | None = None
 
 
 # vLLM marks greedy requests with a non-positive temperature.
@@ -161,38 +210,27 @@ class TreeRejectionSampler(RejectionSampler):
         step, self.step = self.step, None
         device = logits.device
         num_draft = np.asarray(metadata.num_draft_tokens, dtype=np.int64)
-        num_nodes = num_draft + 1
-        width = int(num_nodes.max())
         if step is None:
             # No tree published (vLLM's dummy sampler run): verify chains.
+            width = int(num_draft.max()) + 1
             chain = torch.arange(-1, width - 1, device=device)
             step = TreeVerifyInput(chain.expand(len(num_draft), width), width - 1)
-        # Logit row of node j of request r: node rows are consecutive.
-        starts = np.cumsum(num_nodes) - num_nodes
-        node_ids = np.arange(width)
-        valid = node_ids[None, :] < num_nodes[:, None]
-        is_draft = valid & (node_ids[None, :] > 0)  # every node but the root
-        logit_rows = np.where(valid, starts[:, None] + node_ids[None, :], 0)
-        draft_rows = np.where(
-            is_draft,
-            (np.cumsum(num_draft) - num_draft)[:, None] + node_ids[None, :] - 1,
-            0,
-        )
-        logit_rows_t = torch.from_numpy(logit_rows).to(device, non_blocking=True)
-        draft_rows_t = torch.from_numpy(draft_rows).to(device, non_blocking=True)
-        is_draft_t = torch.from_numpy(is_draft).to(device, non_blocking=True)
-        num_nodes_t = torch.from_numpy(num_nodes).to(device, non_blocking=True)
-
-        node_req = np.repeat(np.arange(len(num_nodes)), num_nodes)
+        rows = step.rows
+        if rows is None:
+            arrays = VerifyRows.host_arrays(num_draft)
+            rows = VerifyRows.from_device(
+                [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays],
+                arrays[-1],
+            )
         if logits.is_cuda and step.positions is not None:
             choices = self._gumbel_choices(
-                logits, node_req, step.positions, sampling_metadata
+                logits, rows, step.positions, sampling_metadata
             )
         else:
-            choices = self._target_choices(logits, node_req, sampling_metadata)
-        target_tokens = choices[logit_rows_t]
+            choices = self._target_choices(logits, rows, sampling_metadata)
+        target_tokens = choices[rows.logit_rows]
         node_tokens = torch.where(
-            is_draft_t, metadata.draft_token_ids[draft_rows_t].long(), -1
+            rows.is_draft, metadata.draft_token_ids[rows.draft_rows].long(), -1
         )
         out = torch.full(
             (len(num_draft), metadata.max_spec_len + 1),
@@ -200,18 +238,18 @@ class TreeRejectionSampler(RejectionSampler):
             dtype=torch.int32,
             device=device,
         )
-        parents = step.parents[:, :width]
+        parents = step.parents[:, : rows.logit_rows.shape[1]]
         if logits.is_cuda:
             # One launch for the walk and the output rows. Imported here:
             # only GPU processes need Triton.
             from vllm_ddtree.v1.ops.triton_tree_cores import walk_trees_triton
 
             walk = walk_trees_triton(
-                node_tokens, parents, num_nodes_t, target_tokens, step.max_depth, out
+                node_tokens, parents, rows.num_nodes, target_tokens, step.max_depth, out
             )
         else:
             walk = walk_trees(
-                node_tokens, parents, num_nodes_t, target_tokens, step.max_depth
+                node_tokens, parents, rows.num_nodes, target_tokens, step.max_depth
             )
             path_nodes = walk.path[:, 1:]
             accepted = torch.gather(node_tokens, 1, path_nodes.clamp(min=0))
@@ -227,17 +265,14 @@ class TreeRejectionSampler(RejectionSampler):
     def _target_choices(
         self,
         logits: torch.Tensor,
-        node_req_np: np.ndarray,
+        rows: VerifyRows,
         sampling_metadata: SamplingMetadata,
     ) -> torch.Tensor:
-        """The target's token at every logit row: argmax or a sample.
-
-        ``node_req_np[i]`` is the request (batch row) of logit row ``i``.
-        """
+        """The target's token at every logit row: argmax or a sample."""
         greedy_tokens = logits.argmax(dim=-1)
         if sampling_metadata.all_greedy:
             return greedy_tokens
-        node_req = torch.from_numpy(node_req_np).to(logits.device)
+        node_req, node_req_np = rows.node_req, rows.node_req_np
         temperature = sampling_metadata.temperature[node_req]
         is_greedy = temperature < _GREEDY_EPS
         scaled = logits.float() / torch.where(is_greedy, 1.0, temperature)[:, None]
@@ -247,16 +282,18 @@ class TreeRejectionSampler(RejectionSampler):
         race = torch.empty_like(probs).exponential_()
         if sampling_metadata.generators:
             for req, generator in sampling_metadata.generators.items():
-                rows = np.nonzero(node_req_np == req)[0]
-                if len(rows):
-                    race[rows[0] : rows[-1] + 1].exponential_(generator=generator)
+                req_rows = np.nonzero(node_req_np == req)[0]
+                if len(req_rows):
+                    race[req_rows[0] : req_rows[-1] + 1].exponential_(
+                        generator=generator
+                    )
         sampled = (probs / race).argmax(dim=-1)
         return torch.where(is_greedy, greedy_tokens, sampled)
 
     def _gumbel_choices(
         self,
         logits: torch.Tensor,
-        node_req_np: np.ndarray,
+        rows: VerifyRows,
         positions: torch.Tensor,
         sampling_metadata: SamplingMetadata,
     ) -> torch.Tensor:
@@ -272,7 +309,7 @@ class TreeRejectionSampler(RejectionSampler):
 
         device = logits.device
         num_reqs = sampling_metadata.temperature.shape[0]
-        node_req = torch.from_numpy(node_req_np).to(device, non_blocking=True)
+        node_req = rows.node_req
         temperature = sampling_metadata.temperature.float()
         temperature = torch.where(temperature < _GREEDY_EPS, 0.0, temperature)
         seeds = request_seeds(sampling_metadata.generators, num_reqs, device)

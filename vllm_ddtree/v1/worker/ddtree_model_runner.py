@@ -50,10 +50,12 @@ from vllm_ddtree.v1.sample.tree_rejection_sampler import (
     PositionSeededTopKTopP,
     TreeRejectionSampler,
     TreeVerifyInput,
+    VerifyRows,
 )
 from vllm_ddtree.v1.spec_decode.adaptive_budget import LatencyModel, choose_budgets
 from vllm_ddtree.v1.spec_decode.ddtree_proposer import DDTreeProposer
 from vllm_ddtree.v1.spec_decode.tree import path_first_permutation
+from vllm_ddtree.v1.worker.host_staging import HostStaging
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -87,16 +89,15 @@ class StoredTree:
 class VerifyPlan:
     """Per-step tree layout of a verify batch (all rows, root included).
 
-    ``root_index[r]`` is the batch token index of row ``r``'s root;
-    ``node_tokens`` / ``node_rows`` (host) list every non-root node of every
-    row, flattened, as batch token index and row.
+    Device tensors: ``root_index[r]`` is the batch token index of row ``r``'s
+    root; ``node_tokens`` / ``node_rows`` / ``node_ids`` list every non-root
+    node of every row, flattened, as batch token index, row and node index.
     """
 
-    num_nodes: np.ndarray
-    root_index: np.ndarray
-    node_tokens: np.ndarray
-    node_rows: np.ndarray
-    node_ids: np.ndarray
+    root_index: torch.Tensor
+    node_tokens: torch.Tensor
+    node_rows: torch.Tensor
+    node_ids: torch.Tensor
     width: int
     linear_positions: torch.Tensor
     tree: TreeAttentionInfo | None
@@ -123,6 +124,7 @@ class DDTreeModelRunnerMixin:
         self.sampler.topk_topp_sampler = self.seeded_sampling
         self._trees: dict[str, StoredTree] = {}
         self._plan: VerifyPlan | None = None
+        self.host_staging = HostStaging(self.device)
         # Set by measure_verify_latency() once the engine is warmed up.
         self.verify_latency: LatencyModel | None = None
         self._kv_commits: dict[int, tuple[list, Callable | None]] | None = None
@@ -172,61 +174,76 @@ class DDTreeModelRunnerMixin:
         keep = node_ids > 0
         node_rows, node_ids = node_rows[keep], node_ids[keep]
         node_tokens = root_index[node_rows] + node_ids
-
-        total = int(query_end[-1])
-        linear_positions = self.positions[:total].clone()
-        device = self.positions.device
-        token_t = torch.from_numpy(node_tokens).to(device)
         depth_delta = depths[node_rows, node_ids] - node_ids
-        self.positions[token_t] += torch.from_numpy(depth_delta).to(device)
-
-        max_depth = int(depths.max())
-        parents_t = torch.from_numpy(parents).to(device)
-        self.rejection_sampler.step = TreeVerifyInput(
-            parents_t, max_depth, self.positions[spec_metadata.logits_indices]
-        )
-        return VerifyPlan(
-            num_nodes=num_nodes,
-            root_index=root_index,
-            node_tokens=node_tokens,
-            node_rows=node_rows,
-            node_ids=node_ids,
-            width=width,
-            linear_positions=linear_positions,
-            tree=self._tree_attention_info(
-                num_nodes, root_index, num_scheduled_tokens, parents_t, max_depth
-            ),
-        )
-
-    def _tree_attention_info(
-        self, num_nodes, root_index, num_scheduled_tokens, parents, max_depth
-    ) -> TreeAttentionInfo | None:
-        rows = np.nonzero(num_nodes > 1)[0]
-        if len(rows) == 0:
-            return None
-        device = parents.device
-        num_reqs = len(num_nodes)
         ctx_len = (
             self.input_batch.num_computed_tokens_cpu[:num_reqs]
             + num_scheduled_tokens[:num_reqs]
             - num_nodes
         )
-        rows_t = torch.from_numpy(rows).to(device)
-        nodes_t = torch.from_numpy(num_nodes[rows]).to(device)
-        as_i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
-        total_tokens = int(root_index[-1] + num_nodes[-1])
-        return TreeAttentionInfo(
-            req_rows=as_i32(rows).to(device),
-            q_start=as_i32(root_index[rows]).to(device),
-            num_nodes=nodes_t.to(torch.int32),
-            ctx_len=as_i32(ctx_len[rows]).to(device),
-            parents=parents[rows_t],
-            max_depth=max_depth,
-            req_rows_cpu=rows.tolist(),
-            q_start_cpu=root_index[rows].tolist(),
-            num_nodes_cpu=num_nodes[rows].tolist(),
-            ctx_len_cpu=ctx_len[rows].tolist(),
-            covers_batch=int(num_nodes[rows].sum()) == total_tokens,
+        tree_rows = np.nonzero(num_nodes > 1)[0]
+
+        # Every index array of the step in one non-blocking transfer, made
+        # while the GPU is idle: none is copied once the forward is queued.
+        rows_host = VerifyRows.host_arrays(num_nodes - 1)
+        uploaded = self.host_staging.upload(
+            parents,
+            root_index,
+            node_tokens,
+            node_rows,
+            node_ids,
+            depth_delta,
+            tree_rows,
+            num_nodes[tree_rows],
+            root_index[tree_rows],
+            ctx_len[tree_rows],
+            *rows_host,
+        )
+        (
+            parents_t,
+            root_index_t,
+            node_tokens_t,
+            node_rows_t,
+            node_ids_t,
+            depth_delta_t,
+            tree_rows_t,
+            tree_nodes_t,
+            tree_q_start_t,
+            tree_ctx_len_t,
+        ) = uploaded[:10]
+        rows = VerifyRows.from_device(uploaded[10:], rows_host[-1])
+
+        total = int(query_end[-1])
+        linear_positions = self.positions[:total].clone()
+        self.positions[node_tokens_t] += depth_delta_t
+
+        max_depth = int(depths.max())
+        self.rejection_sampler.step = TreeVerifyInput(
+            parents_t, max_depth, self.positions[spec_metadata.logits_indices], rows
+        )
+        tree = None
+        if len(tree_rows):
+            i32 = torch.int32
+            tree = TreeAttentionInfo(
+                req_rows=tree_rows_t.to(i32),
+                q_start=tree_q_start_t.to(i32),
+                num_nodes=tree_nodes_t.to(i32),
+                ctx_len=tree_ctx_len_t.to(i32),
+                parents=parents_t[tree_rows_t],
+                max_depth=max_depth,
+                req_rows_cpu=tree_rows.tolist(),
+                q_start_cpu=root_index[tree_rows].tolist(),
+                num_nodes_cpu=num_nodes[tree_rows].tolist(),
+                ctx_len_cpu=ctx_len[tree_rows].tolist(),
+                covers_batch=int(num_nodes[tree_rows].sum()) == total,
+            )
+        return VerifyPlan(
+            root_index=root_index_t,
+            node_tokens=node_tokens_t,
+            node_rows=node_rows_t,
+            node_ids=node_ids_t,
+            width=width,
+            linear_positions=linear_positions,
+            tree=tree,
         )
 
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
@@ -268,12 +285,8 @@ class DDTreeModelRunnerMixin:
             return
         device = plan.linear_positions.device
         perm = path_first_permutation(walk.path, plan.width)
-        rows_t = torch.from_numpy(plan.node_rows).to(device)
-        ids_t = torch.from_numpy(plan.node_ids).to(device)
-        dst_tokens = torch.from_numpy(plan.node_tokens).to(device)
-        src_tokens = (
-            torch.from_numpy(plan.root_index).to(device)[rows_t] + perm[rows_t, ids_t]
-        )
+        rows, dst_tokens = plan.node_rows, plan.node_tokens
+        src_tokens = plan.root_index[rows] + perm[rows, plan.node_ids]
         self._compact_kv(src_tokens, dst_tokens)
         if plan.tree is not None and self.model_config.is_hybrid:
             self._commit_recurrent_state(plan.tree, walk)

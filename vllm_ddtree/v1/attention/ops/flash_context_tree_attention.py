@@ -9,11 +9,11 @@ log-sum-exp; the Triton kernel attends each node to its ancestors only
 log-sum-exp. Same pattern as vLLM's decode-context-parallel path.
 
 Three launches instead of one, but the context runs at FlashAttention speed:
-on the H200 (Qwen3-8B heads, bench_tree_attention.py) it beat the fused
-kernel for 65-node trees at every batch size except 4 with a 1K context, and
-for every tree at 4K contexts, by up to 1.8x (batch 16, 4K, 65 nodes: 0.25
-vs 0.44 ms); the fused kernel stays ahead for small trees over short
-contexts (batch 1, 1K, 17 nodes: 0.019 vs 0.027 ms).
+on the H200 (Qwen3-8B heads, bench_tree_attention.py, batch 1/4/16, 1K/4K
+contexts, 17/65 nodes) it beat the fused kernel in 10 of 12 shapes, by up to
+1.8x (batch 16, 4K, 65 nodes: 0.25 vs 0.44 ms); the fused kernel won at
+batch 1 with 17 nodes over 1K (0.019 vs 0.027 ms) and batch 4 with 65 nodes
+over 1K (0.057 vs 0.059 ms).
 """
 
 from __future__ import annotations

@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One non-blocking host-to-device transfer for a step's index arrays.
+
+A verify step needs a dozen small index arrays on the device (tree layout,
+logit rows, commit rows) that the host computes from the scheduler's output.
+``torch.from_numpy(a).to(device)`` copies from pageable memory and
+synchronises the stream, so each such copy made while the GPU is busy makes
+the host wait for the GPU, and the GPU then idles while the host prepares the
+rest of the step. :class:`HostStaging` packs all of a step's arrays into one
+pinned buffer and sends it in one non-blocking copy, made before the forward
+pass, whose results every later phase (sampler, commit) reuses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class HostStaging:
+    """Uploads groups of integer arrays as int64 device tensors."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._host: torch.Tensor | None = None
+        self._sent: torch.cuda.Event | None = None
+
+    def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """int64 device tensors with the shapes and values of ``arrays``
+        (integers or booleans). The copy is asynchronous on a GPU; on a CPU
+        the results are fresh tensors, never views of the staging buffer."""
+        sizes = [a.size for a in arrays]
+        bounds = np.cumsum([0, *sizes])
+        total = int(bounds[-1])
+        on_gpu = self.device.type == "cuda"
+        if self._sent is not None:
+            # The previous transfer must have left the buffer before it is
+            # rewritten (it has, in practice: every step ends with a sync).
+            self._sent.synchronize()
+        capacity = 0 if self._host is None else self._host.numel()
+        if capacity < total:
+            size = max(total, 1024, 2 * capacity)
+            self._host = torch.empty(size, dtype=torch.int64, pin_memory=on_gpu)
+        host = self._host.numpy()
+        for array, lo, hi in zip(arrays, bounds[:-1], bounds[1:], strict=True):
+            host[lo:hi] = array.ravel()
+        staged = self._host[:total]
+        if on_gpu:
+            flat = staged.to(self.device, non_blocking=True)
+            self._sent = torch.cuda.Event()
+            self._sent.record()
+        else:
+            flat = staged.clone()
+        return [
+            flat[lo:hi].view(array.shape)
+            for array, lo, hi in zip(arrays, bounds[:-1], bounds[1:], strict=True)
+        ]
