@@ -5,13 +5,18 @@
 
 One DDTree step, as it flows through the overridden runner methods:
 
-1. ``__init__``: the DFlash drafter is built as :class:`DDTreeProposer` and
-   the chain rejection sampler replaced by :class:`TreeRejectionSampler`.
+1. ``__init__``: the DFlash drafter is built as :class:`DDTreeProposer`, the
+   chain rejection sampler replaced by :class:`TreeRejectionSampler`, and the
+   last stage of vLLM's ``Sampler`` (steps without drafts) wrapped by
+   :class:`PositionSeededTopKTopP`, so that on a GPU every sample is keyed
+   by (seed, position) as vLLM's V2 runner keys it.
 2. The scheduler schedules a request's tree nodes as its draft tokens (node
    order is best-first, so a cut-down prefix is still a tree).
 3. ``_prepare_inputs``: vLLM computes linear positions and slot mappings;
    then each node's position becomes ``root position + depth`` and the
-   tree's ancestor masks are prepared (:class:`VerifyPlan`).
+   tree's ancestor masks are prepared (:class:`VerifyPlan`). Every index
+   array the rest of the step needs goes to the device here, in one
+   non-blocking copy (:class:`HostStaging`).
 4. ``_build_attention_metadata``: the plan's tree is published to the tree
    attention backend while vLLM builds the target's metadata.
 5. Forward; the tree sampler picks the target's token at every node and
