@@ -85,6 +85,7 @@ graphs)
   engine_test engine-small_max_num_seqs 110 tests/gpu/test_ddtree_engine_gpu.py \
     small_max_num_seqs
   engine_test engine-flash_context 150 tests/gpu/test_ddtree_engine_gpu.py flash_context
+  engine_test engine-adaptive 150 tests/gpu/test_ddtree_engine_gpu.py full_graphs
   ;;
 sampling)
   step sampler 120 python3 -m pytest -q -rf tests/gpu/test_tree_sampling_gpu.py

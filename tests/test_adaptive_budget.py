@@ -64,3 +64,52 @@ def test_ties_are_broken_in_tree_order():
     latency = LatencyModel(np.array([1, 2, 3, 4, 5]), np.array([1, 1, 1, 1, 3.0]))
     # 2 roots + 2 nodes fill the flat part; equal nodes go in row-major order.
     assert choose_budgets(scores, np.array([4, 4]), latency).tolist() == [2, 0]
+
+
+def test_full_graph_candidate():
+    """Uniform full trees compete with their own (full CUDA graph) latency,
+    only when every request may take the whole budget."""
+    scores = np.log(np.array([[0.9, 0.5, 0.2, 0.1], [0.8, 0.4, 0.3, 0.05]]))
+    caps = np.array([4, 4])
+    # Piecewise: tokens past 4 cost a lot, so the cut takes 2 nodes.
+    piecewise = LatencyModel(np.array([1, 4, 10]), np.array([1.0, 1.0, 4.0]))
+    cut = choose_budgets(scores, caps, piecewise)
+    assert cut.tolist() == [1, 1]
+    cut_rate = _rate(scores, cut, piecewise)
+    # A full graph of the 10 tokens that beats the cut's rate wins ...
+    cheap = LatencyModel(np.array([5, 10]), np.array([1.0, 1.2]))
+    assert choose_budgets(scores, caps, piecewise, cheap).tolist() == [4, 4]
+    assert (2 + np.exp(scores).sum()) / 1.2 > cut_rate
+    # ... one that does not, loses; a cap below B rules the candidate out.
+    dear = LatencyModel(np.array([5, 10]), np.array([1.0, 2.0]))
+    assert choose_budgets(scores, caps, piecewise, dear).tolist() == [1, 1]
+    assert choose_budgets(scores, np.array([4, 3]), piecewise, cheap).tolist() == [1, 1]
+
+
+def test_full_graph_grid():
+    """Uniform batches of 1, 2, 4, ... full trees up to what one captured
+    graph holds; none without full decode graphs or off the GPU."""
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode
+
+    from vllm_ddtree.v1.worker.ddtree_model_runner import DDTreeModelRunnerMixin
+
+    def grid(device="cuda", mode=CUDAGraphMode.FULL_AND_PIECEWISE, capture=512):
+        runner = SimpleNamespace(
+            device=SimpleNamespace(type=device),
+            compilation_config=SimpleNamespace(
+                cudagraph_mode=mode, max_cudagraph_capture_size=capture
+            ),
+            scheduler_config=SimpleNamespace(
+                max_num_seqs=16, max_num_batched_tokens=8192
+            ),
+            ddtree=SimpleNamespace(budget=64),
+        )
+        return DDTreeModelRunnerMixin._full_graph_grid(runner)
+
+    assert grid() == [65, 130, 260, 455]  # 7 trees of 65 fit 512 tokens
+    assert grid(capture=1040) == [65, 130, 260, 520, 1040]
+    assert grid(capture=64) == []
+    assert grid(mode=CUDAGraphMode.PIECEWISE) == []
+    assert grid(device="cpu") == []

@@ -168,3 +168,23 @@ def test_flash_context_greedy_equals_no_spec(fixtures, expected, monkeypatch):
         finally:
             shutdown_llm(llm)
     assert calls  # captured (or run eagerly) at least once
+
+
+def _full_graph_points(worker) -> list[int]:
+    model = worker.model_runner.full_graph_latency
+    return [] if model is None else model.num_tokens.tolist()
+
+
+def test_adaptive_budget_measures_full_graphs(fixtures, expected):
+    """With CUDA graphs the adaptive budget also times uniform batches of
+    full trees (full graphs) and greedy output stays equal to no-spec."""
+    oracle = Oracle({tuple(p): p + o for p, o in zip(PROMPTS, expected, strict=True)})
+    spec = ddtree_config(fixtures.dense_drafter, 16, adaptive_budget=True)
+    with oracle_drafter(oracle):
+        llm = _engine(fixtures.dense_target, False, spec=spec)
+        try:
+            (points,) = llm.collective_rpc(_full_graph_points)
+            assert points[:2] == [17, 34]
+            assert _generate(llm) == expected
+        finally:
+            shutdown_llm(llm)

@@ -22,6 +22,12 @@ For a fixed node count the best set is the ``|S|`` most probable nodes over
 all requests. A child is never more probable than its parent and every tree
 lists its nodes best-first, so that set is a prefix of each request's tree:
 the choice reduces to one threshold, found by scanning all prefix sizes.
+
+On a GPU one more candidate competes: every request verifies its whole
+tree. Such a *uniform* batch replays as one full CUDA graph, any cut batch
+runs with piecewise graphs (attention eager between the pieces), so the two
+have different latency curves; the full-graph one is measured separately,
+per uniform batch size.
 """
 
 from __future__ import annotations
@@ -55,7 +61,10 @@ class LatencyModel:
 
 
 def choose_budgets(
-    scores: np.ndarray, caps: np.ndarray, latency: LatencyModel
+    scores: np.ndarray,
+    caps: np.ndarray,
+    latency: LatencyModel,
+    full_graph: LatencyModel | None = None,
 ) -> np.ndarray:
     """Nodes to verify per request, maximising expected tokens per second.
 
@@ -64,6 +73,10 @@ def choose_budgets(
             nodes, best-first (non-increasing along each row).
         caps: ``[R]`` most nodes a request may take (its own budget).
         latency: step time as a function of the batch's total token count.
+        full_graph: step time of a uniform batch (every request verifying
+            all ``B`` nodes) as a function of its token count, where such
+            batches replay as full CUDA graphs; considered only when every
+            cap is ``B``.
 
     Returns:
         ``[R]`` int array, ``0 <= k_r <= caps[r]``: verify each request's
@@ -80,7 +93,12 @@ def choose_budgets(
     order = order[flat[order] >= 0.0]
     expected = num_reqs + np.concatenate([[0.0], np.cumsum(flat[order])])
     total = num_reqs + np.arange(len(order) + 1)
-    best = int(np.argmax(expected / latency(total)))
+    rates = expected / latency(total)
+    best = int(np.argmax(rates))
+    if full_graph is not None and np.all(np.asarray(caps) == width):
+        full_rate = expected[-1] / float(full_graph(num_reqs * (1 + width)))
+        if full_rate > rates[best]:
+            return np.asarray(caps, dtype=np.int64).copy()
     budgets = np.zeros(num_reqs, dtype=np.int64)
     np.add.at(budgets, order[:best] // width, 1)
     return budgets

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 from vllm.v1.worker import gpu_model_runner
@@ -132,6 +133,7 @@ class DDTreeModelRunnerMixin:
         self.host_staging = HostStaging(self.device)
         # Set by measure_verify_latency() once the engine is warmed up.
         self.verify_latency: LatencyModel | None = None
+        self.full_graph_latency: LatencyModel | None = None
         self._kv_commits: dict[int, tuple[list, Callable | None]] | None = None
 
     # -- step 3: positions and tree layout -------------------------------
@@ -370,7 +372,10 @@ class DDTreeModelRunnerMixin:
         )
         if self.ddtree.adaptive_budget and self.verify_latency is not None:
             budgets = choose_budgets(
-                trees.scores.cpu().numpy(), caps, self.verify_latency
+                trees.scores.cpu().numpy(),
+                caps,
+                self.verify_latency,
+                self.full_graph_latency,
             )
         else:
             budgets = caps
@@ -400,34 +405,70 @@ class DDTreeModelRunnerMixin:
 
     @torch.inference_mode()
     def measure_verify_latency(self, repeats: int = 3) -> LatencyModel:
-        """Time target forwards (vLLM's dummy runs, CUDA graphs included
-        where captured) over a grid of batch token counts, up to what a full
-        batch of full trees schedules. Called by the worker after warm-up."""
+        """Time target forwards (vLLM's dummy runs with attention, CUDA graphs
+        included where captured) over a grid of batch token counts, up to
+        what a full batch of full trees schedules; and, where uniform batches
+        of full trees replay as full CUDA graphs, those separately. Called by
+        the worker after warm-up."""
         limit = min(
             self.scheduler_config.max_num_batched_tokens,
             self.scheduler_config.max_num_seqs * (1 + self.ddtree.budget),
         )
         grid = sorted({min(1 << i, limit) for i in range(limit.bit_length() + 1)})
         grid = grid if len(grid) > 1 else [1, 2]
+        self.verify_latency = self._latency_model(grid, repeats)
+        self.full_graph_latency = None
+        full_grid = self._full_graph_grid()
+        if len(full_grid) > 1:
+            self.full_graph_latency = self._latency_model(
+                full_grid, repeats, uniform_decode=True
+            )
+        return self.verify_latency
+
+    def _full_graph_grid(self) -> list[int]:
+        """Token counts of uniform batches of full trees (1, 2, 4, ...
+        requests) that vLLM replays as full CUDA graphs; empty without them."""
+        mode = self.compilation_config.cudagraph_mode
+        if self.device.type != "cuda" or mode is None:
+            return []
+        if mode.decode_mode() != CUDAGraphMode.FULL:
+            return []
+        n = 1 + self.ddtree.budget
+        max_reqs = min(
+            self.scheduler_config.max_num_seqs,
+            (self.compilation_config.max_cudagraph_capture_size or 0) // n,
+            self.scheduler_config.max_num_batched_tokens // n,
+        )
+        if max_reqs < 1:
+            return []
+        reqs = {min(1 << i, max_reqs) for i in range(max_reqs.bit_length() + 1)}
+        return [r * n for r in sorted(reqs)]
+
+    def _latency_model(
+        self, grid: list[int], repeats: int, uniform_decode: bool = False
+    ) -> LatencyModel:
+        """Mean time of ``repeats`` dummy runs at each token count, made
+        non-decreasing (timing noise must not make a larger batch look
+        cheaper), logged."""
         seconds = []
         for num_tokens in grid:
-            self._dummy_run(num_tokens)  # warm-up (and any lazy init)
+            run = dict(force_attention=True, uniform_decode=uniform_decode)
+            self._dummy_run(num_tokens, **run)  # warm-up (and any lazy init)
             _synchronize(self.device)
             start = time.perf_counter()
             for _ in range(repeats):
-                self._dummy_run(num_tokens)
+                self._dummy_run(num_tokens, **run)
             _synchronize(self.device)
             seconds.append((time.perf_counter() - start) / repeats)
-        # Timing noise must not make a larger batch look cheaper.
         seconds = np.maximum.accumulate(np.asarray(seconds))
-        self.verify_latency = LatencyModel(np.asarray(grid), seconds)
         logger.info(
-            "DDTree verify latency model (tokens: ms): %s",
+            "DDTree verify latency model%s (tokens: ms): %s",
+            " (uniform full trees, full CUDA graphs)" if uniform_decode else "",
             ", ".join(
                 f"{n}: {t * 1e3:.2f}" for n, t in zip(grid, seconds, strict=True)
             ),
         )
-        return self.verify_latency
+        return LatencyModel(np.asarray(grid), seconds)
 
 
 class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
