@@ -298,8 +298,9 @@ def _time_fa3_tree(
 
     def fa3_tree():
         flash_context_tree_attention(
-            query, key_cache, value_cache, merged, block_table, cu_q, num_nodes,
-            ctx_len, mask_row_start, tree_mask, scale, n, ctx,
+            query, key_cache, value_cache, merged, block_table, cu_q[:-1],
+            num_nodes, ctx_len, mask_row_start, tree_mask, scale, n,
+            cu_seqlens_q=cu_q, max_ctx_len=ctx,
         )  # fmt: skip
 
     eager = _bench(fa3_tree, args.warmup, args.rep)

@@ -274,10 +274,6 @@ def test_flash_context_plus_tree_only_merge():
     merged = b.poisoned_out()
     ends = torch.cumsum(b.num_nodes, 0, dtype=torch.int32)
     cu_q = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), ends])
-    flash_context_tree_attention(
-        b.query, b.key_cache, b.value_cache, merged, b.block_table, cu_q,
-        b.num_nodes, b.ctx_len, b.mask_row_start, b.tree_mask, b.scale,
-        b.max_nodes, 4096,
-    )  # fmt: skip
+    flash_context_tree_attention(*b.args(merged), cu_seqlens_q=cu_q, max_ctx_len=4096)
     err = (merged.float() - fused.float()).norm() / fused.float().norm()
     assert err < 1e-2

@@ -150,33 +150,11 @@ class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
             raise NotImplementedError("tree attention does not support sliding windows")
         key_cache, value_cache = self._cache_views(kv_cache)
         packed_mask, mask_row_start = tree.packed_mask
-        query = query.view(-1, self.num_heads, self.head_size)
-        output = output.view(-1, self.num_heads, self.head_size)
-        if getattr(metadata, "tree_flash_context", False):
-            # A uniform batch: its tokens are the trees' nodes, in order.
-            flash_context_tree_attention(
-                query,
-                key_cache,
-                value_cache,
-                output,
-                metadata.tree_block_table,
-                metadata.query_start_loc,
-                tree.num_nodes,
-                tree.ctx_len,
-                mask_row_start,
-                packed_mask,
-                self.scale,
-                tree.max_nodes,
-                tree.max_ctx_len,
-                fa_version=self.vllm_flash_attn_version,
-                num_splits=metadata.max_num_splits,
-            )
-            return
-        tree_attention(
-            query,
+        args = (
+            query.view(-1, self.num_heads, self.head_size),
             key_cache,
             value_cache,
-            output,
+            output.view(-1, self.num_heads, self.head_size),
             metadata.tree_block_table,
             tree.q_start,
             tree.num_nodes,
@@ -185,8 +163,18 @@ class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
             packed_mask,
             self.scale,
             tree.max_nodes,
-            max_ctx_len=tree.max_ctx_len,
         )
+        if getattr(metadata, "tree_flash_context", False):
+            # A uniform batch: its tokens are the trees' nodes, in order.
+            flash_context_tree_attention(
+                *args,
+                cu_seqlens_q=metadata.query_start_loc,
+                max_ctx_len=tree.max_ctx_len,
+                fa_version=self.vllm_flash_attn_version,
+                num_splits=metadata.max_num_splits,
+            )
+        else:
+            tree_attention(*args, max_ctx_len=tree.max_ctx_len)
 
 
 class FlashTreeAttentionBackend(FlashAttentionBackend):

@@ -29,25 +29,28 @@ def flash_context_tree_attention(
     value_cache: torch.Tensor,
     out: torch.Tensor,
     block_table: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
+    q_start: torch.Tensor,
     num_nodes: torch.Tensor,
     ctx_len: torch.Tensor,
     mask_row_start: torch.Tensor,
     tree_mask: torch.Tensor,
     softmax_scale: float,
     max_nodes: int,
-    max_ctx_len: int,
     *,
+    cu_seqlens_q: torch.Tensor,
+    max_ctx_len: int,
     fa_version: int = 3,
     num_splits: int = 0,
 ) -> None:
     """Tree attention for a batch whose tokens are all tree nodes, request
-    ``r``'s nodes being tokens ``cu_seqlens_q[r] .. cu_seqlens_q[r + 1] - 1``.
+    ``r``'s nodes being tokens ``cu_seqlens_q[r] .. cu_seqlens_q[r + 1] - 1``
+    (so ``q_start`` is ``cu_seqlens_q[:-1]``).
 
-    Arguments are those of :func:`tree_attention` (``q_start`` is
-    ``cu_seqlens_q[:-1]``), plus ``fa_version`` and ``num_splits`` for
-    vLLM's ``flash_attn_varlen_func`` (``num_splits`` must be the backend's
-    bound under CUDA graphs, 0 lets FlashAttention choose). Writes ``out``.
+    The positional arguments are those of :func:`tree_attention`;
+    ``max_ctx_len`` bounds ``ctx_len``; ``fa_version`` and ``num_splits`` go
+    to vLLM's ``flash_attn_varlen_func`` (``num_splits`` must be the
+    backend's bound under CUDA graphs, 0 lets FlashAttention choose).
+    Writes ``out``.
     """
     # Imported here: vLLM's FlashAttention extension exists on CUDA builds only.
     from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
@@ -82,7 +85,7 @@ def flash_context_tree_attention(
         value_cache,
         tree_out,
         block_table,
-        cu_seqlens_q[:-1],
+        q_start,
         num_nodes,
         ctx_len,
         mask_row_start,
