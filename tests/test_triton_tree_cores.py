@@ -172,9 +172,9 @@ def _worker_compile_variants() -> None:
     try:
         compile_variants(cpu, budget=64, max_depth=15, top_k=8, force_spine=True)
         cache = torch.zeros(4, 16, 2, 16)
-        ran = attention_variants(
-            cache, cache, torch.zeros(1, 4, dtype=torch.int32), 4, max_nodes=70
-        )
+        # Block 0 for every position of the warm-up rows (context 32 + nodes).
+        block_table = torch.zeros(1, 19, dtype=torch.int32)
+        ran = attention_variants(cache, cache, block_table, 4, max_nodes=260)
         res = {"attention_variants": sorted(ran)}
     except Exception as exc:
         res = {"error": repr(exc)}
@@ -200,8 +200,9 @@ def test_triton_tree_build_interpreted(interp_results, name):
 
 def test_compile_variants_interpreted(interp_results):
     rec = interpreted_case(interp_results, "compile-variants")
-    # 2 q heads per KV head, up to 70 nodes: 140 rows -> every query tile.
-    tiles = [16, 32, 64, 128, 256]
+    # 2 q heads per KV head, up to 260 nodes (520 rows): tiles of up to 64
+    # rows through 512 rows, wide tiles past them.
+    tiles = [16, 32, 64, 256]
     assert rec["attention_variants"] == [[m, s] for m in tiles for s in (False, True)]
 
 

