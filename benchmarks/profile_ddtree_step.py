@@ -7,7 +7,9 @@ times a decode of ``--max-tokens`` tokens and profiles a second one twice:
 
 * ``cprofile.txt``: Python time by function (host-side overhead, syncs);
 * ``kernels.txt``: the torch profiler's per-op table sorted by device time,
-  then by host time (launch counts show per-layer / per-depth loops).
+  then by host time (launch counts show per-layer / per-depth loops);
+* ``summary.json``: step time, and the device's busy time per step from
+  that profile: the difference is the GPU waiting for the host.
 
 Dummy weights (``--load-format dummy``) accept nothing, so every step is a
 full-budget DDTree step: the measure of its fixed cost. ``--budget 0`` runs
@@ -71,7 +73,9 @@ def main() -> None:
         model=args.target,
         load_format=args.load_format,
         skip_tokenizer_init=args.load_format == "dummy",
-        max_model_len=args.prompt_len + args.max_tokens + args.budget + 16,
+        # The last step verifies 1 + B nodes and then drafts 1 + 15
+        # positions: vLLM skips the drafter when those would not fit.
+        max_model_len=args.prompt_len + args.max_tokens + max(args.budget, 16) + 19,
         max_num_seqs=max(args.batch, 4),
         gpu_memory_utilization=0.85,
         speculative_config=spec,
@@ -116,6 +120,13 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         decode()
     averages = p.key_averages()
+    # Device busy time (every op's own kernels and copies, graph replays
+    # included) against the wall time of a step: the rest is the GPU
+    # waiting for the host.
+    device_ms = sum(e.self_device_time_total for e in averages) / 1e3 / steps
+    summary["device_ms_per_step"] = device_ms
+    summary["device_idle_ms_per_step"] = summary["ms_per_step"] - device_ms
+    print(json.dumps(summary), flush=True)
     (args.out / "kernels.txt").write_text(
         averages.table(sort_by="cuda_time_total", row_limit=40)
         + "\n\n"
