@@ -130,9 +130,11 @@ def request_seeds(
         chosen = [g.initial_seed() for g in generators.values()]
         # A seed is a uint64 to torch and an int64 to vLLM's V2 sampler.
         chosen = [c - 2**64 if c >= 2**63 else c for c in chosen]
-        seeds[torch.tensor(rows, device=device)] = torch.tensor(
-            chosen, dtype=torch.int64, device=device
-        )
+        # Built on the host and sent without blocking: this runs after the
+        # forward pass is queued.
+        rows_t = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        chosen_t = torch.tensor(chosen, dtype=torch.int64)
+        seeds[rows_t] = chosen_t.to(device, non_blocking=True)
     return seeds
 
 
