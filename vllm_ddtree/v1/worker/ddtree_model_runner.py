@@ -157,6 +157,10 @@ class DDTreeModelRunnerMixin:
         return logits_indices, spec_metadata
 
     def _plan_verify(self, scheduler_output, num_scheduled_tokens, spec_metadata):
+        """Lay out this step's trees: each row's parents (the stored tree, or
+        a chain for drafts we did not build), depth positions, the tree
+        attention info and the sampler's row maps, sent to the device in one
+        copy. Publishes the sampler's input; returns the commit's plan."""
         num_reqs = self.input_batch.num_reqs
         num_nodes = np.asarray(spec_metadata.num_draft_tokens, dtype=np.int64) + 1
         width = int(num_nodes.max())
