@@ -4,7 +4,8 @@
 # On the device machine, after staging vLLM there (../shared/device/README.md):
 #   bash scripts/h200_check.sh tests   # kernel tests: attention, GDN, cores (~5 min)
 #   bash scripts/h200_check.sh engines # dense engines, greedy == no-spec (~8 min)
-#   bash scripts/h200_check.sh graphs  # full CUDA graphs: kernel under capture, graph engines (~5 min)
+#   bash scripts/h200_check.sh graphs  # full CUDA graphs: kernel under capture, graph engines,
+#                                      # flash_context and adaptive-vs-full-graph engines (~8 min)
 #   bash scripts/h200_check.sh sampling # GPU tree sampler; seeded DDTree == seeded V2 no-spec (~4 min)
 #   bash scripts/h200_check.sh serve-hybrid  # more engines, OpenAI server, hybrid (~9 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
