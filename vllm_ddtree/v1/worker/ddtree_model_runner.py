@@ -181,9 +181,10 @@ class DDTreeModelRunnerMixin:
 
         query_end = self.query_start_loc.np[1 : num_reqs + 1].astype(np.int64)
         root_index = query_end - num_nodes
-        node_rows, node_ids = np.nonzero(np.arange(width)[None, :] < num_nodes[:, None])
-        keep = node_ids > 0
-        node_rows, node_ids = node_rows[keep], node_ids[keep]
+        # The sampler's row maps; their ``is_draft`` marks every non-root node.
+        rows_host = VerifyRows.host_arrays(num_nodes - 1)
+        _, _, _, is_draft, _ = rows_host
+        node_rows, node_ids = np.nonzero(is_draft)
         node_tokens = root_index[node_rows] + node_ids
         depth_delta = depths[node_rows, node_ids] - node_ids
         ctx_len = (
@@ -195,7 +196,6 @@ class DDTreeModelRunnerMixin:
 
         # Every index array of the step in one non-blocking transfer, made
         # while the GPU is idle: none is copied once the forward is queued.
-        rows_host = VerifyRows.host_arrays(num_nodes - 1)
         uploaded = self.host_staging.upload(
             parents,
             root_index,
