@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import faulthandler
 import io
 import json
 import os
@@ -45,13 +44,6 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument(
-        "--stacks-every",
-        type=float,
-        default=30.0,
-        help="dump every thread's stack to stderr this often (seconds) while "
-        "the engine starts: shows where start-up time goes; 0 turns it off",
-    )
     args = ap.parse_args()
 
     import torch
@@ -67,8 +59,6 @@ def main() -> None:
             "num_speculative_tokens": args.budget,
             "ddtree": {"adaptive_budget": False},
         }
-    if args.stacks_every > 0:
-        faulthandler.dump_traceback_later(args.stacks_every, repeat=True)
     llm = LLM(
         model=args.target,
         load_format=args.load_format,
@@ -81,7 +71,6 @@ def main() -> None:
         speculative_config=spec,
         async_scheduling=False,
     )
-    faulthandler.cancel_dump_traceback_later()
     length = range(args.prompt_len)
     prompts = [
         TokensPrompt(prompt_token_ids=[(7 * i + 13 * r) % 1000 + 5 for i in length])
