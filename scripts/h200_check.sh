@@ -7,7 +7,8 @@
 #   bash scripts/h200_check.sh graphs  # full CUDA graphs: kernel under capture, graph engines,
 #                                      # flash_context and adaptive-vs-full-graph engines (~8 min)
 #   bash scripts/h200_check.sh sampling # GPU tree sampler; seeded DDTree == seeded V2 no-spec (~4 min)
-#   bash scripts/h200_check.sh serve-hybrid  # more engines, OpenAI server, hybrid (~9 min)
+#   bash scripts/h200_check.sh serve   # stock DFlash beside the plugin, OpenAI server (~5 min)
+#   bash scripts/h200_check.sh hybrid  # hybrid engines: greedy, prefix caching (~9 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
 #   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits at engine shapes, + FA3 (~3 min)
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
@@ -22,7 +23,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve-hybrid|kernels|sweep|e2e-8b|e2e-8b-flash|profile|train|e2e}
+mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve|hybrid|kernels|sweep|e2e-8b|e2e-8b-flash|profile|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -92,12 +93,15 @@ sampling)
   step sampler 120 python3 -m pytest -q -rf tests/gpu/test_tree_sampling_gpu.py
   engine_test engine-seeded 300 tests/gpu/test_ddtree_engine_gpu.py seeded
   ;;
-serve-hybrid)
-  for id in small_max_num_seqs stock_dflash; do
-    engine_test "engine-$id" 150 tests/gpu/test_ddtree_engine_gpu.py "$id"
-  done
+serve)
+  engine_test engine-stock_dflash 150 tests/gpu/test_ddtree_engine_gpu.py stock_dflash
   step serve 240 python3 -m pytest -q -rA tests/gpu/test_serve_gpu.py
-  step hybrid-engine 300 python3 -m pytest -q -rA tests/gpu/test_ddtree_hybrid_gpu.py
+  ;;
+hybrid)
+  step hybrid-engine 330 python3 -m pytest -q -rA tests/gpu/test_ddtree_hybrid_gpu.py \
+    -k greedy
+  step hybrid-prefix-caching 200 python3 -m pytest -q -rA \
+    tests/gpu/test_ddtree_hybrid_gpu.py -k prefix_caching
   ;;
 kernels)
   step tree-cores 90 python3 benchmarks/bench_tree_cores.py --out "$out/tree_cores.json"

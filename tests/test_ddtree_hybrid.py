@@ -16,6 +16,7 @@ tree rows.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,12 @@ def target(fixtures, tmp_path_factory) -> Path:
     return out
 
 
-def no_spec_reference(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+def no_spec_reference(
+    llm: LLM,
+    prompts: list[list[int]],
+    max_tokens: int = MAX_TOKENS,
+    min_fraction: float = 0.8,
+) -> list[list[int]]:
     """No-spec greedy outputs, each cut before its first near-tie.
 
     Where the top two log-probabilities are within bf16 resolution, batched
@@ -79,7 +85,7 @@ def no_spec_reference(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     continuations are different but equally valid greedy outputs.
     """
     params = SamplingParams(
-        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2
     )
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
@@ -94,7 +100,7 @@ def no_spec_reference(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
                 break
         cut.append(ids)
     # Ties must stay rare, or the comparison would prove little.
-    assert sum(map(len, cut)) > 0.8 * MAX_TOKENS * len(prompts)
+    assert sum(map(len, cut)) > min_fraction * max_tokens * len(prompts)
     return cut
 
 
@@ -144,11 +150,113 @@ def test_control_without_commit_diverges(fixtures, target, reference, monkeypatc
     assert differ >= NUM_PROMPTS // 3, differ
 
 
-def test_prefix_caching_is_refused_for_hybrid(fixtures, target):
-    with pytest.raises(ValueError, match="enable_prefix_caching"):
+# Prefix caching ("align" mode, block size 128 on this model): round 1
+# decodes past positions 256 and 384 with trees; round 2 extends round 1's
+# sequences to 390+ tokens, so that (vLLM drops the last block for DFlash
+# drafters) it can hit the state at 256, which a tree step wrote.
+PC_PROMPTS = 4
+PC_ROUND1_TOKENS = 260
+PC_EXTEND = 240
+
+
+def _pc_round1() -> list[list[int]]:
+    shared = [(7 * j) % 290 + 5 for j in range(150)]
+    return [
+        shared + [(11 * i + j) % 290 + 5 for j in range(5)] for i in range(PC_PROMPTS)
+    ]
+
+
+def _pc_rounds(llm: LLM, round1_out: list[list[int]] | None):
+    """Round 1 (or its given outputs), then round 2; outputs and round 2's
+    prefix-cache hits."""
+    first = _pc_round1()
+    if round1_out is None:
+        round1_out = _generate_n(llm, first, PC_ROUND1_TOKENS)
+    second = [
+        p + o[:PC_EXTEND] + [9, 10] for p, o in zip(first, round1_out, strict=True)
+    ]
+    hits = metric(llm, "vllm:prefix_cache_hits")
+    round2_out = _generate_n(llm, second, 30)
+    return round1_out, second, round2_out, metric(llm, "vllm:prefix_cache_hits") - hits
+
+
+def _generate_n(llm: LLM, prompts: list[list[int]], max_tokens: int):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params)]
+
+
+EngineFactory = Callable[..., LLM]  # (speculative_config=None) -> engine
+
+
+def prefix_caching_check(fixtures, make: EngineFactory, monkeypatch) -> None:
+    """States a tree step wrote at a block boundary serve later prefix hits
+    (``make`` builds an engine with prefix caching on, given a speculative
+    config or None).
+
+    Both rounds must equal no-spec up to near-ties, and round 2 must hit
+    more than the first block, i.e. a state written while decoding. On
+    this model a slightly wrong state seldom changes a greedy token, so the
+    copied states themselves are checked against chain references in
+    ``test_tree_gdn_ops.py`` and ``test_tree_mamba_utils.py``, and here the
+    runner must have written some (in-process engines only)."""
+    from vllm_ddtree.v1.worker import ddtree_model_runner
+
+    commit = ddtree_model_runner.commit_gdn_layer
+    boundary_copies = []
+
+    def counting_commit(layer, slots, path, path_len, dst_slots=None):
+        if dst_slots is not None:
+            boundary_copies.append(int((dst_slots != slots[:, 0]).sum()))
+        commit(layer, slots, path, path_len, dst_slots)
+
+    monkeypatch.setattr(ddtree_model_runner, "commit_gdn_layer", counting_commit)
+    llm = make()
+    round1, second, _, _ = _pc_rounds(llm, None)
+    assert min(map(len, round1)) >= PC_EXTEND
+    # Long outputs meet more near-ties; round 1 is compared up to them.
+    cut1 = no_spec_reference(llm, _pc_round1(), PC_ROUND1_TOKENS, min_fraction=0.4)
+    cut2 = no_spec_reference(llm, second, 30)
+    shutdown_llm(llm)
+
+    prompts = _pc_round1()
+    oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, round1, strict=True)})
+    with oracle_drafter(oracle):
+        llm = make(ddtree_config(fixtures.hybrid_drafter, 8))
+        cache_config = llm.llm_engine.vllm_config.cache_config
+        assert (cache_config.mamba_cache_mode, cache_config.block_size) == (
+            "align",
+            128,
+        )
+        got1 = _generate_n(llm, prompts, PC_ROUND1_TOKENS)
+        # Round 2 continues the no-spec sequences (the oracle knows them).
+        _, _, got2, hits = _pc_rounds(llm, round1)
+        shutdown_llm(llm)
+    for name, cut, got in (("round 1", cut1, got1), ("round 2", cut2, got2)):
+        for i, (want, have) in enumerate(zip(cut, got, strict=True)):
+            assert have[: len(want)] == want, f"{name}, prompt {i} differs"
+    assert hits > 128 * PC_PROMPTS, hits
+    assert sum(boundary_copies) >= PC_PROMPTS, boundary_copies
+
+
+def test_hybrid_prefix_caching_greedy_equals_no_spec(fixtures, target, monkeypatch):
+    def make(speculative_config=None) -> LLM:
+        return make_llm(
+            target,
+            enable_prefix_caching=True,
+            speculative_config=speculative_config,
+            **ENGINE_ARGS,
+        )
+
+    prefix_caching_check(fixtures, make, monkeypatch)
+
+
+def test_mamba_cache_mode_all_is_refused(fixtures, target):
+    with pytest.raises(ValueError, match="mamba_cache_mode 'all'"):
         make_llm(
             target,
             enable_prefix_caching=True,
+            mamba_cache_mode="all",
             speculative_config=ddtree_config(fixtures.hybrid_drafter, 8),
         )
 

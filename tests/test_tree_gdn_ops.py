@@ -415,6 +415,42 @@ def test_commit_moves_leaf_state_to_column_zero():
         assert torch.equal(batch.ssm_state[int(batch.state_indices[r, 0])], want)
 
 
+def test_commit_elsewhere_writes_the_state_at_each_depth():
+    """With ``dst_slots`` (prefix caching's block-boundary states), the
+    state after the path's first ``d`` nodes lands in another slot, in the
+    committed layout, and the tree's own slots stay as they are."""
+    batch = make_gdn_batch([9, 5], seed=8, spare_slots=6)
+    conv_before, ssm_before = batch.clone_states()
+    run_tree_ops(batch, tree_causal_conv1d_update, tree_gated_delta_rule)
+    used = set(batch.state_indices.flatten().tolist())
+    used |= set(batch.conv_slots.tolist())
+    free = [s for s in range(1, batch.ssm_state.shape[0]) if s not in used]
+    width = batch.conv_weight.shape[1]
+    for r, parents in enumerate(batch.parents):
+        path = max(leaf_paths(parents), key=len)
+        slot = int(batch.conv_slots[r])
+        start = int(batch.query_start_loc[r])
+        for d in range(1, len(path) + 1):
+            conv, ssm = batch.conv_state.clone(), batch.ssm_state.clone()
+            commit_tree_state(
+                conv, ssm, batch.conv_slots[r : r + 1],
+                batch.state_indices[r : r + 1], torch.tensor([path]),
+                torch.tensor([d]), width, dst_slots=torch.tensor([free[0]]),
+            )  # fmt: skip
+            want_ssm = batch.ssm_state[int(batch.state_indices[r, path[d - 1]])]
+            assert torch.equal(ssm[free[0]], want_ssm), (r, d)
+            nodes = torch.tensor(path[:d]) + start
+            _, want_hist = chain_conv_reference(
+                batch.x[nodes], conv_before[slot, :, : width - 1],
+                batch.conv_weight, batch.conv_bias,
+            )  # fmt: skip
+            assert _err(conv[free[0], :, : width - 1], want_hist) < 1e-6, (r, d)
+            # Only the destination changed.
+            conv[free[0]], ssm[free[0]] = batch.conv_state[free[0]], ssm_before[free[0]]
+            assert torch.equal(conv, batch.conv_state)
+            assert torch.equal(ssm, batch.ssm_state)
+
+
 # ---------------------------------------------------------------------------
 # Triton kernels under the interpreter (subprocess)
 # ---------------------------------------------------------------------------

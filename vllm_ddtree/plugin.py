@@ -12,7 +12,9 @@ hooks, and why each is needed:
    fields, hands vLLM an ordinary ``dflash`` config, and stores the DDTree
    settings inside the drafter's ``dflash_config`` (see ``config.py``). The
    same wrapper selects the DDTree worker class, turns async scheduling off
-   and pins the V1 model runner, the parts of the engine DDTree replaces.
+   and pins the V1 model runner, the parts of the engine DDTree replaces,
+   and for hybrid targets with prefix caching picks Mamba cache mode
+   ``align`` (vLLM would pick ``all``, which stores states by position).
    Upstream this would be a new method value.
 2. ``SpeculativeConfig.max_num_new_slots_for_drafting`` is wrapped: for
    ``dflash`` it counts ``num_speculative_tokens - 1`` extra drafter queries
@@ -57,6 +59,14 @@ hooks, and why each is needed:
    wrapped so that, with ``--enable-per-request-metrics``, the ``metrics``
    object of a response also carries ``ddtree``: those stats. Upstream, the
    per-request metrics model would gain spec-decode fields.
+
+Two substitutions are scoped to the DDTree runner instead of made here, so
+that other engines in the same process keep vLLM's code: the runner builds
+its drafter as ``DDTreeProposer`` (vLLM's runner constructs
+``DFlashProposer`` by name), and while vLLM updates hybrid states after a
+step, ``mamba_utils.postprocess_mamba_align_gpu`` (the chain's state moves
+by accepted-token count) is replaced by the tree's own commit
+(``v1/worker/tree_mamba_utils.py``).
 """
 
 from __future__ import annotations
@@ -215,15 +225,18 @@ def _check_target(engine_args, target_model_config) -> None:
             "recurrent layers (e.g. Mamba2) have no tree state path yet. Use "
             "method 'dflash' for this model."
         )
-    if engine_args.enable_prefix_caching or engine_args.mamba_cache_mode != "none":
+    if engine_args.mamba_cache_mode == "all":
         raise ValueError(
-            "enable_prefix_caching / mamba_cache_mode "
-            f"{engine_args.mamba_cache_mode!r} is not supported with method "
-            "'ddtree' on hybrid targets yet: the 'align' / 'all' Mamba cache "
-            "modes move recurrent states by accepted-token count, which a tree "
-            "commit does not follow. Set enable_prefix_caching=False "
-            "(--no-enable-prefix-caching) and leave mamba_cache_mode at 'none'."
+            "mamba_cache_mode 'all' is not supported with method 'ddtree' on "
+            "hybrid targets: there vLLM's recurrent kernels store states by "
+            "token position, and a tree's branches share positions. Use "
+            "mamba_cache_mode='align' "
+            "(DDTree's choice when prefix caching is on) or leave it unset."
         )
+    if engine_args.enable_prefix_caching:
+        # vLLM would pick 'all' for models that support it; DDTree writes
+        # the block-aligned states of the accepted path ('align').
+        engine_args.mamba_cache_mode = "align"
 
 
 def _configure_engine(engine_args, parallel_config) -> None:

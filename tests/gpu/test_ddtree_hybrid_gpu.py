@@ -19,6 +19,7 @@ from tests.test_ddtree_hybrid import (  # noqa: F401
     _generate,
     _prompts,
     no_spec_reference,
+    prefix_caching_check,
     target,
 )
 from tests.utils import ddtree_config
@@ -29,7 +30,7 @@ pytestmark = [
 ]
 
 
-def _engine(model, enforce_eager: bool, spec=None) -> LLM:
+def _engine(model, enforce_eager: bool, spec=None, **kwargs) -> LLM:
     return LLM(
         model=str(model),
         dtype="bfloat16",
@@ -43,6 +44,7 @@ def _engine(model, enforce_eager: bool, spec=None) -> LLM:
         additional_config={"gdn_prefill_backend": "triton"},
         seed=0,
         speculative_config=spec,
+        **kwargs,
     )
 
 
@@ -64,3 +66,10 @@ def test_hybrid_greedy_equals_no_spec_on_gpu(fixtures, target, enforce_eager, bu
                 assert have[: len(want)] == want, f"prompt {i}, batch {batch}"
         del llm
         gc.collect()
+
+
+def test_hybrid_prefix_caching_on_gpu(fixtures, target, monkeypatch):  # noqa: F811
+    def make(speculative_config=None) -> LLM:
+        return _engine(target, False, speculative_config, enable_prefix_caching=True)
+
+    prefix_caching_check(fixtures, make, monkeypatch)

@@ -230,8 +230,12 @@ def commit_tree_state(
     path: torch.Tensor,
     path_len: torch.Tensor,
     width: int,
+    dst_slots: torch.Tensor | None = None,
 ) -> None:
-    """Make the accepted path's state each request's committed state.
+    """Make the accepted path's state each request's committed state, or,
+    with ``dst_slots``, write the state after the path's first ``path_len``
+    nodes into other slots (in vLLM's committed layout) and leave the tree's
+    slots as they are.
 
     Args:
         conv_state / ssm_state: the caches after the tree step (either may
@@ -241,16 +245,19 @@ def commit_tree_state(
             == 0``); entries past ``path_len`` are ignored.
         path_len: ``[R]`` nodes on the path, root included (>= 1).
         width: the conv kernel width ``W``.
+        dst_slots: ``[R]`` slots that receive both states; by default the
+            recurrent state goes to column 0 of ``state_indices`` and the
+            conv history stays in ``conv_state_indices`` (the commit).
     """
     path = path.long()
     path_len = path_len.long()
     rows = torch.arange(path.shape[0], device=path.device)
     if ssm_state is not None:
+        # A row whose path ends at the root copies a slot onto itself: no
+        # mask, so that no row selection waits for the device.
         leaf = path[rows, path_len - 1]
-        moved = leaf != 0
-        src = state_indices.long()[rows[moved], leaf[moved]]
-        dst = state_indices.long()[rows[moved], 0]
-        ssm_state[dst] = ssm_state[src]
+        dst = state_indices[:, 0] if dst_slots is None else dst_slots
+        ssm_state[dst.long()] = ssm_state[state_indices.long()[rows, leaf]]
     if conv_state is not None:
         # The conv slot holds history[1:] (W - 2 columns) then the nodes'
         # inputs; the new history is the last W - 1 entries of
@@ -259,7 +266,6 @@ def commit_tree_state(
         on_path = seq >= width - 2
         node = path.gather(1, (seq - (width - 2)).clamp(0, path.shape[1] - 1))
         cols = torch.where(on_path, width - 2 + node, seq)
-        slots = conv_state_indices.long()
-        conv_state[slots[:, None], :, torch.arange(width - 1)] = conv_state[
-            slots[:, None], :, cols
-        ]
+        src = conv_state_indices.long()[:, None]
+        dst = src if dst_slots is None else dst_slots.long()[:, None]
+        conv_state[dst, :, torch.arange(width - 1)] = conv_state[src, :, cols]

@@ -62,6 +62,11 @@ from vllm_ddtree.v1.spec_decode.adaptive_budget import LatencyModel, choose_budg
 from vllm_ddtree.v1.spec_decode.ddtree_proposer import DDTreeProposer
 from vllm_ddtree.v1.spec_decode.tree import path_first_permutation
 from vllm_ddtree.v1.worker.host_staging import HostStaging
+from vllm_ddtree.v1.worker.tree_mamba_utils import (
+    aligned_state_targets,
+    keep_accepted_counts,
+    state_window,
+)
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -285,9 +290,21 @@ class DDTreeModelRunnerMixin:
         if self.model_config.is_hybrid:
             # The recurrent-state commit below leaves every request's state
             # where vLLM reads it after one accepted token (slot column 0),
-            # so vLLM's accepted count must say one token, not 1 + accepted.
+            # so vLLM's accepted count must say one token, not 1 + accepted;
+            # and it writes the states prefix caching keeps itself.
             output_token_ids = output_token_ids[:, :1]
-        super()._update_states_after_model_execute(output_token_ids, scheduler_output)
+            with patched_attribute(
+                gpu_model_runner.mamba_utils,
+                "postprocess_mamba_align_gpu",
+                keep_accepted_counts,
+            ):
+                super()._update_states_after_model_execute(
+                    output_token_ids, scheduler_output
+                )
+        else:
+            super()._update_states_after_model_execute(
+                output_token_ids, scheduler_output
+            )
         plan, self._plan = self._plan, None
         walk = self.rejection_sampler.last_walk
         self.rejection_sampler.last_walk = None
@@ -342,9 +359,14 @@ class DDTreeModelRunnerMixin:
 
     def _commit_recurrent_state(self, tree: TreeAttentionInfo, walk) -> None:
         """Make each tree row's accepted path the committed state of every
-        linear-attention (GDN) layer."""
+        linear-attention (GDN) layer; with prefix caching (``"align"``
+        mode), first write the state at the last block boundary the path
+        reached into that boundary's block (:mod:`.tree_mamba_utils`)."""
         rows = tree.req_rows.long()
-        path, path_len = walk.path[rows], walk.num_accepted[rows] + 1
+        accepted = walk.num_accepted[rows]
+        path = walk.path[rows]
+        seq_lens = tree.ctx_len + tree.num_nodes
+        mode = self.cache_config.mamba_cache_mode
         num_reqs = self.input_batch.num_reqs
         layers = self.compilation_config.static_forward_context
         for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
@@ -352,9 +374,18 @@ class DDTreeModelRunnerMixin:
             if not isinstance(spec, MambaSpec):
                 continue
             table = self.input_batch.block_table[gid].get_device_tensor(num_reqs)
-            slots = table[rows, : 1 + spec.num_speculative_blocks]
+            table = table[rows]
+            window = state_window(table, seq_lens, spec, mode)
+            if mode == "align":
+                dst_slots, boundary_len = aligned_state_targets(
+                    table, window, tree.ctx_len, seq_lens, accepted, spec.block_size
+                )
+                for name in group.layer_names:
+                    commit_gdn_layer(
+                        layers[name], window, path, boundary_len, dst_slots
+                    )
             for name in group.layer_names:
-                commit_gdn_layer(layers[name], slots, path, path_len)
+                commit_gdn_layer(layers[name], window, path, accepted + 1)
 
     # -- step 7: keep the proposed trees -----------------------------------
 

@@ -207,14 +207,19 @@ def _non_spec_metadata(metadata: GDNAttentionMetadata) -> GDNAttentionMetadata:
 
 
 def commit_gdn_layer(
-    layer: Any, slots: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor
+    layer: Any,
+    slots: torch.Tensor,
+    path: torch.Tensor,
+    path_len: torch.Tensor,
+    dst_slots: torch.Tensor | None = None,
 ) -> None:
     """Commit the accepted paths in one GDN layer's caches.
 
     ``slots`` is ``[R, 1 + num_spec]`` (the tree rows' state slots; column 0
     is also the conv slot), ``path`` / ``path_len`` the walk's accepted nodes
     of those rows. Whole state slots are copied, so the platform's layout of
-    a slot's memory does not matter.
+    a slot's memory does not matter. With ``dst_slots``, the state after
+    ``path_len`` nodes goes there instead (see ``commit_tree_state``).
     """
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
@@ -229,6 +234,7 @@ def commit_gdn_layer(
         path,
         path_len,
         layer.conv_kernel_size,
+        dst_slots,
     )
 
 
