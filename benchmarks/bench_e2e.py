@@ -33,6 +33,10 @@ Real-scale step cost with dummy weights (token-id prompts, no tokenizer)::
         --drafter benchmarks/configs/qwen3-8b-dflash --load-format dummy \
         --budgets 16,64,256 --batch-sizes 1,16 --temperatures 0
 
+Methods ``nospec-v1`` and ``dflash-v1`` run those baselines on vLLM's V1
+model runner (the one DDTree uses; on GPUs vLLM picks V2 for dense models),
+so that the runner's own per-step cost can be told from DDTree's.
+
 ``--report-only`` rebuilds the table and plots from ``OUT/rows``.
 """
 
@@ -52,7 +56,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-METHODS = ("nospec", "dflash", "ddtree")
+# ``*-v1``: the same baseline on vLLM's V1 model runner (DDTree's runner),
+# to tell the runner's own per-step cost from DDTree's.
+METHODS = ("nospec", "nospec-v1", "dflash", "dflash-v1", "ddtree")
+V1_SUFFIX = "-v1"
 DFLASH_DRAFTS = 15  # stock DFlash drafts block_size - 1 tokens
 
 
@@ -69,11 +76,15 @@ def _floats(s: str) -> list[float]:
 # ----------------------------------------------------------------------------
 
 
+def _base_method(method: str) -> str:
+    return method.removesuffix(V1_SUFFIX)
+
+
 def _speculative_config(job: dict) -> dict | None:
-    if job["method"] == "nospec":
+    if _base_method(job["method"]) == "nospec":
         return None
     config = {
-        "method": job["method"],
+        "method": _base_method(job["method"]),
         "model": job["drafter"],
         "num_speculative_tokens": job["budget"],
     }
@@ -261,7 +272,7 @@ def table(rows: list[dict]) -> str:
             budget = f"{budget} fixed"
         if r.get("flash_context"):
             budget = f"{budget} flash-ctx"
-        tau = r["tau"] if r["method"] != "nospec" else None
+        tau = r["tau"] if _base_method(r["method"]) != "nospec" else None
         lines.append(
             f"| {r['batch']} | {r['temperature']:g} | {r['method']} | {budget} "
             f"| {r['tok_s']:.1f} | {_fmt(tau, '.2f')} | {r['step_ms']:.2f} "
@@ -321,7 +332,9 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
-    hist_rows = [r for r in rows if r["accept_hist"]]
+    hist_rows = [
+        r for r in rows if r["accept_hist"] and r["method"] in ("dflash", "ddtree")
+    ]
     if hist_rows:
         ref = min(hist_rows, key=lambda r: (r["batch"], r["temperature"]))
         sel = [r for r in hist_rows if _key(r) == _key(ref)]
@@ -377,9 +390,8 @@ def _jobs(args) -> list[dict]:
     for method in args.methods:
         budgets = args.budgets if method == "ddtree" else [DFLASH_DRAFTS]
         for budget in budgets:
-            jobs.append(
-                {"method": method, "budget": None if method == "nospec" else budget}
-            )
+            no_drafts = _base_method(method) == "nospec"
+            jobs.append({"method": method, "budget": None if no_drafts else budget})
     return jobs
 
 
@@ -535,8 +547,11 @@ def main(argv: list[str] | None = None) -> None:
         # Own session: on a timeout the whole group goes, the engine-core
         # process (which holds the GPU memory) included.
         worker = [sys.executable, __file__, "--out", str(args.out)]
+        env = dict(os.environ)
+        if job["method"].endswith(V1_SUFFIX):
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         proc = subprocess.Popen(
-            [*worker, "--worker", str(spec_path)], start_new_session=True
+            [*worker, "--worker", str(spec_path)], start_new_session=True, env=env
         )
         try:
             if proc.wait(timeout=args.job_timeout):

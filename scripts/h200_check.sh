@@ -13,17 +13,18 @@
 #   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits at engine shapes, + FA3 (~3 min)
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
 #   bash scripts/h200_check.sh e2e-8b-flash  # + DDTree with ddtree.flash_context, same table (~4 min)
+#   bash scripts/h200_check.sh e2e-8b-v1  # + no-spec and DFlash on the V1 runner, same table (~5 min)
 #   bash scripts/h200_check.sh profile # one DDTree step of dummy Qwen3-8B profiled (~7 min)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
 #   bash scripts/h200_check.sh e2e     # no-spec / dflash / ddtree on that pair (~9 min)
-# (train and e2e, e2e-8b and e2e-8b-flash must run back to back: /tmp survives
+# (train and e2e, e2e-8b and its -flash / -v1 additions run back to back: /tmp survives
 # only while the machine stays warm.)
 # Every engine runs in a process of its own (in-process engines neither free
 # GPU memory nor reset vLLM's CUDA-graph state). Full logs are packed into
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve|hybrid|kernels|sweep|e2e-8b|e2e-8b-flash|profile|train|e2e}
+mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve|hybrid|kernels|sweep|e2e-8b|e2e-8b-flash|e2e-8b-v1|profile|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -114,7 +115,7 @@ sweep)
   step tile-sweep 200 python3 benchmarks/bench_tree_attention.py --sweep --no-sdpa \
     --batches 1,4,16 --contexts 1024,4096 --trees 17,65 --out "$out/tile_sweep.json"
   ;;
-e2e-8b | e2e-8b-flash)
+e2e-8b | e2e-8b-flash | e2e-8b-v1)
   # DDTree's first start on a fresh machine compiles its Triton variants
   # (about 90 s for the 8B geometry), hence the longer job timeout.
   e2e_8b=(python3 benchmarks/bench_e2e.py --out /tmp/e2e-8b
@@ -122,11 +123,11 @@ e2e-8b | e2e-8b-flash)
     --load-format dummy --budgets 64 --fixed-budget --batch-sizes 1,16
     --temperatures 0 --prompt-len 768 --max-tokens 64
     --max-cudagraph-capture-size 1040 --job-timeout 280)
-  if [ "$mode" = e2e-8b ]; then
-    step e2e-8b 590 "${e2e_8b[@]}" --methods nospec,dflash,ddtree
-  else
-    step e2e-8b-flash 300 "${e2e_8b[@]}" --methods ddtree --flash-context
-  fi
+  case $mode in
+  e2e-8b) step e2e-8b 590 "${e2e_8b[@]}" --methods nospec,dflash,ddtree ;;
+  e2e-8b-flash) step e2e-8b-flash 300 "${e2e_8b[@]}" --methods ddtree --flash-context ;;
+  e2e-8b-v1) step e2e-8b-v1 420 "${e2e_8b[@]}" --methods nospec-v1,dflash-v1 ;;
+  esac
   cp /tmp/e2e-8b/results.json "$out/e2e-8b.json"
   cp /tmp/e2e-8b/table.md "$out/e2e-8b.md"
   ;;
