@@ -67,7 +67,7 @@ def test_good_config_becomes_dflash():
         (SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
         (SamplingParams(min_tokens=3), "min_tokens"),
         (SamplingParams(logit_bias={3: 1.0}), "logit_bias"),
-        (SamplingParams(logprobs=2), "logprobs"),
+        (SamplingParams(logprob_token_ids=[3, 4]), "logprob_token_ids"),
         (SamplingParams(extra_args={"ddtree_budget": 9}), r"\[0, 8\]"),
         (SamplingParams(extra_args={"ddtree_budget": -1}), "ddtree_budget"),
         (SamplingParams(extra_args={"ddtree_budget": "4"}), "ddtree_budget"),

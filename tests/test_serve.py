@@ -65,6 +65,19 @@ def test_completions_stream_and_budget(server):
     assert small.choices[0].text == full
 
 
+def test_completions_logprobs(server):
+    client = _client(server)
+    out = client.completions.create(
+        model="tiny", prompt="the cat sat", max_tokens=12, temperature=0, logprobs=2
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == out.usage.completion_tokens
+    assert all(x <= 0 for x in lp.token_logprobs)
+    # Greedy: every emitted token is the most likely one.
+    for token, top in zip(lp.tokens, lp.top_logprobs, strict=True):
+        assert top[token] == max(top.values())
+
+
 def test_chat_stream(server):
     full, streamed = chat_once_and_streamed(server)
     assert full and streamed == full

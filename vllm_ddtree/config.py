@@ -298,8 +298,8 @@ def validate_request(params: Any, cfg: DDTreeConfig) -> None:
         unsupported.append("logit_bias")
     if params.min_tokens:
         unsupported.append("min_tokens")
-    if params.logprobs is not None or params.prompt_logprobs is not None:
-        unsupported.append("logprobs / prompt_logprobs")
+    if params.logprob_token_ids:
+        unsupported.append("logprob_token_ids")
     if params.structured_outputs is not None:
         unsupported.append("structured outputs")
     if unsupported:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
@@ -114,6 +114,18 @@ def _top_k_top_p_per_row(
         logits,
         None if top_k is None else top_k[node_req],
         None if top_p is None else top_p[node_req],
+    )
+
+
+def _processed_logits(
+    logits: torch.Tensor, node_req: torch.Tensor, sampling_metadata: SamplingMetadata
+) -> torch.Tensor:
+    """Float logit rows after their request's temperature (greedy rows keep
+    theirs) and top-k / top-p: the distribution a row's token is drawn from."""
+    temperature = sampling_metadata.temperature[node_req]
+    temperature = torch.where(temperature < _GREEDY_EPS, 1.0, temperature)
+    return _top_k_top_p_per_row(
+        logits.float() / temperature[:, None], node_req, sampling_metadata
     )
 
 
@@ -262,7 +274,44 @@ class TreeRejectionSampler(RejectionSampler):
                 1, walk.num_accepted[:, None], walk.bonus[:, None].to(out.dtype)
             )
         self.last_walk = walk
-        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None:
+            logprobs = self._output_logprobs(logits, rows, walk, out, sampling_metadata)
+        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+    def _output_logprobs(
+        self,
+        logits: torch.Tensor,
+        rows: VerifyRows,
+        walk: WalkResult,
+        out: torch.Tensor,
+        sampling_metadata: SamplingMetadata,
+    ) -> LogprobsTensors:
+        """Logprobs of the output tokens in vLLM's layout (a row per output
+        column of every request, rejected columns included; vLLM drops them
+        with the tokens). Output column ``j`` was chosen at the accepted
+        path's ``j``-th node, so its distribution is that node's logits, in
+        the engine's ``logprobs_mode``."""
+        num_reqs, num_cols = out.shape
+        path = walk.path[:, :num_cols]
+        if path.shape[1] < num_cols:
+            path = torch.nn.functional.pad(path, (0, num_cols - path.shape[1]), value=0)
+        # Rejected columns read the root's row; their tokens are dropped.
+        nodes = path.clamp(0, rows.logit_rows.shape[1] - 1).long()
+        selected = logits[rows.logit_rows.gather(1, nodes).flatten()].float()
+        if self.is_processed_logprobs_mode and not sampling_metadata.all_greedy:
+            # (All-greedy batches have no temperature; vLLM leaves their
+            # logits unprocessed too.)
+            col_req = torch.arange(num_reqs, device=out.device).repeat_interleave(
+                num_cols
+            )
+            selected = _processed_logits(selected, col_req, sampling_metadata)
+        if not self.is_logits_logprobs_mode:
+            selected = self.sampler.compute_logprobs(selected)
+        tokens = out.flatten().long().clamp(min=0)
+        return self.sampler.gather_logprobs(
+            selected, sampling_metadata.max_num_logprobs, tokens
+        )
 
     def _target_choices(
         self,
@@ -275,10 +324,8 @@ class TreeRejectionSampler(RejectionSampler):
         if sampling_metadata.all_greedy:
             return greedy_tokens
         node_req, node_req_np = rows.node_req, rows.node_req_np
-        temperature = sampling_metadata.temperature[node_req]
-        is_greedy = temperature < _GREEDY_EPS
-        scaled = logits.float() / torch.where(is_greedy, 1.0, temperature)[:, None]
-        probs = _top_k_top_p_per_row(scaled, node_req, sampling_metadata).softmax(-1)
+        is_greedy = sampling_metadata.temperature[node_req] < _GREEDY_EPS
+        probs = _processed_logits(logits, node_req, sampling_metadata).softmax(-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p;
         # seeded requests draw their E from their own generator.
         race = torch.empty_like(probs).exponential_()
