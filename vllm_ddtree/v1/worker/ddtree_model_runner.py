@@ -32,6 +32,7 @@ One DDTree step, as it flows through the overridden runner methods:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -293,15 +294,14 @@ class DDTreeModelRunnerMixin:
             # so vLLM's accepted count must say one token, not 1 + accepted;
             # and it writes the states prefix caching keeps itself.
             output_token_ids = output_token_ids[:, :1]
-            with patched_attribute(
+            tree_postprocess = patched_attribute(
                 gpu_model_runner.mamba_utils,
                 "postprocess_mamba_align_gpu",
                 keep_accepted_counts,
-            ):
-                super()._update_states_after_model_execute(
-                    output_token_ids, scheduler_output
-                )
+            )
         else:
+            tree_postprocess = contextlib.nullcontext()
+        with tree_postprocess:
             super()._update_states_after_model_execute(
                 output_token_ids, scheduler_output
             )
