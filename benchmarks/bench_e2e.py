@@ -416,11 +416,22 @@ def _engine_settings(args) -> dict:
     }
     if args.load_format == "dummy":
         settings["skip_tokenizer_init"] = True
+    if _is_hybrid(args.target):
+        # A tree reloads parent states from the cache: keep them exact.
+        settings["mamba_ssm_cache_dtype"] = "float32"
+        if on_gpu:
+            # vLLM's default FlashInfer GDN prefill needs CuTe-DSL.
+            settings["additional_config"] = {"gdn_prefill_backend": "triton"}
     if args.max_cudagraph_capture_size:
         settings["compilation_config"] = {
             "max_cudagraph_capture_size": args.max_cudagraph_capture_size
         }
     return settings
+
+
+def _is_hybrid(target: str) -> bool:
+    config = json.loads((Path(target) / "config.json").read_text())
+    return "layer_types" in config and "linear_attention" in config["layer_types"]
 
 
 def _on_gpu() -> bool:

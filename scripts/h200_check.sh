@@ -14,6 +14,7 @@
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
 #   bash scripts/h200_check.sh e2e-8b-flash  # + DDTree with ddtree.flash_context, same table (~4 min)
 #   bash scripts/h200_check.sh e2e-8b-v1  # + no-spec and DFlash on the V1 runner, same table (~5 min)
+#   bash scripts/h200_check.sh e2e-hybrid  # dummy Qwen3.5-9B-like hybrid: no-spec / DFlash / DDTree (~9 min)
 #   bash scripts/h200_check.sh profile # one DDTree step of dummy Qwen3-8B profiled (~7 min)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
 #   bash scripts/h200_check.sh e2e     # no-spec / dflash / ddtree on that pair (~9 min)
@@ -24,7 +25,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve|hybrid|kernels|sweep|e2e-8b|e2e-8b-flash|e2e-8b-v1|profile|train|e2e}
+mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve|hybrid|kernels|sweep|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-hybrid|profile|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -131,6 +132,17 @@ e2e-8b | e2e-8b-flash | e2e-8b-v1)
   esac
   cp /tmp/e2e-8b/results.json "$out/e2e-8b.json"
   cp /tmp/e2e-8b/table.md "$out/e2e-8b.md"
+  ;;
+e2e-hybrid)
+  # Qwen3.5-9B-like hybrid (Qwen3-Next layers: 24 GDN + 8 attention, dense
+  # MLPs), dummy weights: a tree verify step vs a chain verify step.
+  step e2e-hybrid 590 python3 benchmarks/bench_e2e.py --out /tmp/e2e-hybrid \
+    --target benchmarks/configs/qwen3next-9b \
+    --drafter benchmarks/configs/qwen3next-9b-dflash --load-format dummy \
+    --methods nospec,dflash,ddtree --budgets 64 --fixed-budget --batch-sizes 1,16 \
+    --temperatures 0 --prompt-len 768 --max-tokens 64 --job-timeout 190
+  cp /tmp/e2e-hybrid/results.json "$out/e2e-hybrid.json"
+  cp /tmp/e2e-hybrid/table.md "$out/e2e-hybrid.md"
   ;;
 profile)
   profile_8b
