@@ -3,8 +3,13 @@
 
 Runs one engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the
 model runner's Python is visible), warms up on the exact request shape, then
-times a decode of ``--max-tokens`` tokens and profiles a second one twice:
+times a decode of ``--max-tokens`` tokens and examines more decodes:
 
+* ``phases.json``: host wall time per step of each engine phase (scheduler,
+  the runner's input preparation, forward launch, sampler, state update,
+  drafting, the bookkeeping sync that waits for the device, ...), measured
+  with plain timers around those methods (inclusive: nested phases count in
+  their callers too);
 * ``cprofile.txt``: Python time by function (host-side overhead, syncs);
 * ``kernels.txt``: the torch profiler's per-op table sorted by device time,
   then by host time (launch counts show per-layer / per-depth loops);
@@ -12,8 +17,10 @@ times a decode of ``--max-tokens`` tokens and profiles a second one twice:
   that profile: the difference is the GPU waiting for the host.
 
 Dummy weights (``--load-format dummy``) accept nothing, so every step is a
-full-budget DDTree step: the measure of its fixed cost. ``--budget 0`` runs
-the same engine without speculation for comparison.
+full-budget DDTree step: the measure of its fixed cost. ``--method dflash`` /
+``nospec`` profile stock DFlash and no speculation with the same settings
+(with ``VLLM_USE_V2_MODEL_RUNNER=0`` on V1, DDTree's runner; the phase
+names are V1's).
 
     python benchmarks/profile_ddtree_step.py --out /tmp/prof \\
         --target benchmarks/configs/qwen3-8b \\
@@ -24,21 +31,96 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import json
 import os
 import pstats
 import time
+from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+# (owner attribute path from the engine core, method names) timed per step.
+PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("scheduler", ("schedule", "update_from_output")),
+    (
+        "runner",
+        (
+            "execute_model",
+            "_prepare_inputs",
+            "_plan_verify",
+            "_build_attention_metadata",
+            "_model_forward",
+            "sample_tokens",
+            "_sample",
+            "_update_states_after_model_execute",
+            "propose_draft_token_ids",
+            "_bookkeeping_sync",
+            "take_draft_token_ids",
+        ),
+    ),
+    ("runner.rejection_sampler", ("forward",)),
+    ("runner.drafter", ("propose", "_build_trees")),
+)
+
+
+def _resolve(core: Any, path: str) -> Any:
+    runner = core.model_executor.driver_worker.worker.model_runner
+    obj = core
+    for part in path.split("."):
+        obj = runner if part == "runner" else getattr(obj, part, None)
+    return obj
+
+
+def time_phases(llm: Any, run: Any, steps: int) -> dict[str, dict[str, float]]:
+    """Host wall time per step of each method in :data:`PHASES` during
+    ``run()``, timed by wrappers set on the engine's instances (and removed
+    afterwards). Methods an engine does not have are left out."""
+    core = llm.llm_engine.engine_core.engine_core
+    totals: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    installed = []
+    for path, names in PHASES:
+        owner = _resolve(core, path)
+        for name in names:
+            method = getattr(owner, name, None) if owner is not None else None
+            if method is None:
+                continue
+            label = f"{path}.{name}"
+
+            def timed(*args, _method=method, _label=label, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    totals[_label] += time.perf_counter() - start
+                    calls[_label] += 1
+
+            setattr(owner, name, functools.wraps(method)(timed))
+            installed.append((owner, name))
+    try:
+        run()
+    finally:
+        for owner, name in installed:
+            delattr(owner, name)
+    return {
+        label: {"ms_per_step": 1e3 * totals[label] / steps, "calls": calls[label]}
+        for label in totals
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--drafter", required=True)
-    ap.add_argument("--budget", type=int, default=64, help="0: no speculation")
+    ap.add_argument(
+        "--method", choices=("ddtree", "dflash", "nospec"), default="ddtree"
+    )
+    ap.add_argument("--budget", type=int, default=64, help="DDTree's tree budget B")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=768)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -52,13 +134,15 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     spec = None
-    if args.budget:
+    if args.method == "ddtree":
         spec = {
             "method": "ddtree",
             "model": args.drafter,
             "num_speculative_tokens": args.budget,
             "ddtree": {"adaptive_budget": False},
         }
+    elif args.method == "dflash":
+        spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": 15}
     llm = LLM(
         model=args.target,
         load_format=args.load_format,
@@ -88,6 +172,7 @@ def main() -> None:
     seconds = time.perf_counter() - start
     steps = args.max_tokens + 1  # zero acceptance: one token a step, + prefill
     summary = {
+        "method": args.method,
         "budget": args.budget,
         "batch": args.batch,
         "seconds": seconds,
@@ -96,6 +181,11 @@ def main() -> None:
     print(json.dumps(summary), flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
+    phases = time_phases(llm, decode, steps)
+    (args.out / "phases.json").write_text(json.dumps(phases, indent=2))
+    for label, row in phases.items():
+        print(f"{row['ms_per_step']:8.3f} ms/step  {row['calls']:5d}x  {label}")
+
     prof = cProfile.Profile()
     prof.enable()
     decode()

@@ -15,7 +15,7 @@
 #   bash scripts/h200_check.sh e2e-8b-flash  # + DDTree with ddtree.flash_context, same table (~4 min)
 #   bash scripts/h200_check.sh e2e-8b-v1  # + no-spec and DFlash on the V1 runner, same table (~5 min)
 #   bash scripts/h200_check.sh e2e-hybrid  # dummy Qwen3.5-9B-like hybrid: no-spec / DFlash / DDTree (~9 min)
-#   bash scripts/h200_check.sh profile # one DDTree step of dummy Qwen3-8B profiled (~7 min)
+#   bash scripts/h200_check.sh profile # DDTree B=64 and DFlash (V1) steps of dummy Qwen3-8B profiled (~9 min)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
 #   bash scripts/h200_check.sh e2e     # no-spec / dflash / ddtree on that pair (~9 min)
 # (train and e2e, e2e-8b and its -flash / -v1 additions run back to back: /tmp survives
@@ -65,10 +65,14 @@ kernel_tests() {
     tests/gpu/test_tree_cores_gpu.py
 }
 
-profile_8b() {  # one DDTree B=64 engine, a step timed and profiled
-  step profile-8b 420 python3 benchmarks/profile_ddtree_step.py --out /tmp/prof-8b \
-    --target benchmarks/configs/qwen3-8b --drafter benchmarks/configs/qwen3-8b-dflash \
-    --budget 64
+profile_8b() {  # DDTree B=64, then stock DFlash on the same (V1) runner, profiled
+  local common=(--target benchmarks/configs/qwen3-8b
+    --drafter benchmarks/configs/qwen3-8b-dflash)
+  step profile-8b 330 python3 benchmarks/profile_ddtree_step.py --out /tmp/prof-8b/ddtree \
+    "${common[@]}" --budget 64
+  VLLM_USE_V2_MODEL_RUNNER=0 step profile-8b-dflash-v1 220 python3 \
+    benchmarks/profile_ddtree_step.py --out /tmp/prof-8b/dflash-v1 "${common[@]}" \
+    --method dflash
   tar czf "$out/profile-8b.tgz" -C /tmp prof-8b
 }
 
