@@ -46,8 +46,10 @@ def _prompts() -> list[list[int]]:
     return prompts + [[(13 * j) % 290 + 7 for j in range(150)]]  # chunked
 
 
-def _generate(llm: LLM, prompts: list[list[int]], batch: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+def _generate(
+    llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int = MAX_TOKENS
+) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outputs = []
     for i in range(0, len(prompts), batch):
         chunk = [{"prompt_token_ids": p} for p in prompts[i : i + batch]]
@@ -171,19 +173,13 @@ def _pc_rounds(llm: LLM, round1_out: list[list[int]] | None):
     prefix-cache hits."""
     first = _pc_round1()
     if round1_out is None:
-        round1_out = _generate_n(llm, first, PC_ROUND1_TOKENS)
+        round1_out = _generate(llm, first, len(first), PC_ROUND1_TOKENS)
     second = [
         p + o[:PC_EXTEND] + [9, 10] for p, o in zip(first, round1_out, strict=True)
     ]
     hits = metric(llm, "vllm:prefix_cache_hits")
-    round2_out = _generate_n(llm, second, 30)
+    round2_out = _generate(llm, second, len(second), 30)
     return round1_out, second, round2_out, metric(llm, "vllm:prefix_cache_hits") - hits
-
-
-def _generate_n(llm: LLM, prompts: list[list[int]], max_tokens: int):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params)]
 
 
 EngineFactory = Callable[..., LLM]  # (speculative_config=None) -> engine
@@ -228,7 +224,7 @@ def prefix_caching_check(fixtures, make: EngineFactory, monkeypatch) -> None:
             "align",
             128,
         )
-        got1 = _generate_n(llm, prompts, PC_ROUND1_TOKENS)
+        got1 = _generate(llm, prompts, len(prompts), PC_ROUND1_TOKENS)
         # Round 2 continues the no-spec sequences (the oracle knows them).
         _, _, got2, hits = _pc_rounds(llm, round1)
         shutdown_llm(llm)

@@ -293,10 +293,9 @@ class TreeRejectionSampler(RejectionSampler):
         path's ``j``-th node, so its distribution is that node's logits, in
         the engine's ``logprobs_mode``."""
         num_reqs, num_cols = out.shape
-        path = walk.path[:, :num_cols]
-        if path.shape[1] < num_cols:
-            path = torch.nn.functional.pad(path, (0, num_cols - path.shape[1]), value=0)
-        # Rejected columns read the root's row; their tokens are dropped.
+        # One path entry per output column; rejected columns read the root's
+        # row (their tokens are dropped).
+        path = torch.nn.functional.pad(walk.path, (0, num_cols - walk.path.shape[1]))
         nodes = path.clamp(0, rows.logit_rows.shape[1] - 1).long()
         selected = logits[rows.logit_rows.gather(1, nodes).flatten()].float()
         if self.is_processed_logprobs_mode and not sampling_metadata.all_greedy:
