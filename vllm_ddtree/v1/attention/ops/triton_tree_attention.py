@@ -29,10 +29,11 @@ Kernel design (decode-shaped; the bytes are in the context, the queries few):
   cut into ``num_splits`` chunks (multiples of ``BLOCK_N``, at least
   ``_MIN_CHUNK`` positions, computed in-kernel from each row's own context
   length).  Each split writes a float32 partial output with its log-sum-exp,
-  and a reduce kernel (one program per row, node and q head, all splits in
-  one tile) merges them.  Splits are sized to fill exactly one wave of
-  resident programs (see :func:`choose_num_splits`).  No host synchronisation is needed:
-  the number of splits depends only on host-side integers.
+  and a reduce kernel (one program per row, node and block of q heads, an
+  online log-sum-exp over the splits) merges them.  Splits are sized to
+  fill exactly one wave of resident programs (see
+  :func:`choose_num_splits`).  No host synchronisation is needed: the number
+  of splits depends only on host-side integers.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Smallest context chunk (positions) handed to one split.
 _MIN_CHUNK = 128
 _MAX_SPLITS = 64
+# q heads merged by one reduce program: enough work per program to hide the
+# loads' latency, enough programs to spread a batch-1 tree over the GPU.
+_REDUCE_HEADS = 8
 
 _NUM_SMS: dict[int, int] = {}
 
@@ -337,6 +341,7 @@ def _tree_attn_reduce_kernel(
     NUM_NODES,
     MASK_ROW_START,
     num_splits,
+    num_q_heads,
     stride_ot,
     stride_oh,
     stride_od,
@@ -349,52 +354,58 @@ def _tree_attn_reduce_kernel(
     stride_lpt,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
-    """Merge the split partials of one (row, node, q head): all splits at once."""
+    """Merge the split partials of one (row, node) for ``BLOCK_H`` q heads:
+    an online log-sum-exp over the splits, one ``[BLOCK_H, D]`` tile each."""
     r = tl.program_id(0)
     i = tl.program_id(1)
-    h = tl.program_id(2).to(tl.int64)
     n_nodes = tl.load(NUM_NODES + r)
     if i >= n_nodes:
         return
     q_start = tl.load(Q_START + r)
     t_idx = (tl.load(MASK_ROW_START + r) + i).to(tl.int64)
 
-    offs_s = tl.arange(0, BLOCK_S)
+    offs_h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < num_splits
-    lse = tl.load(
-        LSE_PART + offs_s * stride_lps + t_idx * stride_lpt + h,
-        mask=s_ok,
-        other=float("-inf"),
+    h_ok = offs_h < num_q_heads
+    hd_ok = h_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    lse_ptrs = LSE_PART + t_idx * stride_lpt + offs_h
+    part_ptrs = (
+        O_PART + t_idx * stride_pt + offs_h[:, None] * stride_ph + offs_d[None, :]
     )
-    m = tl.maximum(tl.max(lse, 0), -1.0e30)
-    w = tl.math.exp2(lse - m)  # empty splits (lse = -inf) weigh 0
-    wsum = tl.sum(w, 0)
-    part = tl.load(
-        O_PART
-        + offs_s[:, None] * stride_ps
-        + (t_idx * stride_pt + h * stride_ph)
-        + offs_d[None, :],
-        mask=s_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
-        other=0.0,
-    )
+    m = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    wsum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for s in range(num_splits):
+        # Empty splits (lse = -inf) weigh 0.
+        lse = tl.load(lse_ptrs + s * stride_lps, mask=h_ok, other=float("-inf"))
+        part = tl.load(part_ptrs + s * stride_ps, mask=hd_ok, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + part * w[:, None]
+        wsum = wsum * alpha + w
+        m = m_new
     has_mass = wsum > 0.0
     w_safe = tl.where(has_mass, wsum, 1.0)
-    out = tl.sum(part * w[:, None], 0) / w_safe
+    out = acc / w_safe[:, None]
     tok = (q_start + i).to(tl.int64)
     tl.store(
-        Out + tok * stride_ot + h * stride_oh + offs_d * stride_od,
+        Out
+        + tok * stride_ot
+        + offs_h[:, None] * stride_oh
+        + offs_d[None, :] * stride_od,
         out.to(Out.dtype.element_ty),
-        mask=offs_d < HEAD_DIM,
+        mask=hd_ok,
     )
     if WRITE_LSE:
         ln_lse = (m + tl.math.log2(w_safe)) * 0.6931471805599453
         tl.store(
-            LSE + tok * stride_lt + h * stride_lh,
+            LSE + tok * stride_lt + offs_h * stride_lh,
             tl.where(has_mass, ln_lse, float("-inf")),
+            mask=h_ok,
         )
 
 
@@ -615,7 +626,8 @@ def tree_attention(
         num_stages=num_stages,
     )
     if split:
-        rgrid = (num_rows, max_nodes, num_q_heads)
+        block_h = min(triton.next_power_of_2(num_q_heads), _REDUCE_HEADS)
+        rgrid = (num_rows, max_nodes, triton.cdiv(num_q_heads, block_h))
         _tree_attn_reduce_kernel[rgrid](
             out,
             lse_arg,
@@ -625,6 +637,7 @@ def tree_attention(
             num_nodes,
             mask_row_start,
             num_splits,
+            num_q_heads,
             *out.stride(),
             *lse_strides,
             o_part.stride(0),
@@ -634,9 +647,7 @@ def tree_attention(
             lse_part.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            # One tile size for every split count the heuristic picks: the
-            # split count changes with the context, a recompile must not.
-            BLOCK_S=triton.next_power_of_2(max(num_splits, _MAX_SPLITS)),
+            BLOCK_H=block_h,
             WRITE_LSE=lse is not None,
             num_warps=4,
         )
