@@ -10,6 +10,7 @@ import torch
 from vllm_ddtree.v1.spec_decode.tree import (
     ancestor_mask,
     build_trees,
+    gather_tree_layout,
     path_first_permutation,
     walk_trees,
 )
@@ -224,3 +225,31 @@ def test_packed_mask_round_trips():
     for r, n in enumerate(sizes):
         rows = bits[int(row_start[r]) : int(row_start[r]) + n]
         assert torch.equal(rows.bool(), mask[r, :n])
+
+
+def test_gather_tree_layout_rows_prefixes_and_chains():
+    """Each verify row gets its proposal row's best-first prefix (root in
+    column 0), rows without a built tree a chain, and padding past the
+    row's nodes (-1, 0)."""
+    _, values, tokens = _random_topk(3, 4, 6, seed=5)
+    trees = build_trees(values, tokens, budget=7)
+    # Verify rows: proposal row 2 (all 8 nodes), row 0 cut to 3 nodes, a
+    # chain of 4 nodes, a row without drafts, proposal row 1 cut to 5 nodes.
+    tree_row = torch.tensor([2, 0, -1, -1, 1])
+    num_nodes = torch.tensor([8, 3, 4, 1, 5])
+    parents, depths = gather_tree_layout(trees, tree_row, num_nodes, 8)
+    rows = zip(tree_row.tolist(), num_nodes.tolist(), strict=True)
+    for r, (src, n) in enumerate(rows):
+        if src >= 0:
+            want_p = [-1, *trees.parents[src, : n - 1].tolist()]
+            want_d = [0, *trees.depths[src, : n - 1].tolist()]
+        else:
+            want_p, want_d = list(range(-1, n - 1)), list(range(n))
+        assert parents[r].tolist() == want_p + [-1] * (8 - n), r
+        assert depths[r].tolist() == want_d + [0] * (8 - n), r
+        # A best-first prefix is a tree: every parent precedes its node.
+        assert all(want_p[i] < i for i in range(n))
+    # Without a proposal every row is a chain.
+    parents, depths = gather_tree_layout(None, tree_row, num_nodes, 8)
+    assert parents[0].tolist() == list(range(-1, 7))
+    assert depths[1].tolist() == [0, 1, 2, 0, 0, 0, 0, 0]

@@ -14,9 +14,10 @@ One DDTree step, as it flows through the overridden runner methods:
    order is best-first, so a cut-down prefix is still a tree).
 3. ``_prepare_inputs``: vLLM computes linear positions and slot mappings;
    then each node's position becomes ``root position + depth`` and the
-   tree's ancestor masks are prepared (:class:`VerifyPlan`). Every index
-   array the rest of the step needs goes to the device here, in one
-   non-blocking copy (:class:`HostStaging`).
+   tree's ancestor masks are prepared (:class:`VerifyPlan`). The trees'
+   layout is gathered on the device from the last proposal; the index
+   arrays the host derives from the scheduler's counts go to the device
+   here, in one non-blocking copy (:class:`HostStaging`).
 4. ``_build_attention_metadata``: the plan's tree is published to the tree
    attention backend while vLLM builds the target's metadata.
 5. Forward; the tree sampler picks the target's token at every node and
@@ -27,7 +28,9 @@ One DDTree step, as it flows through the overridden runner methods:
    each linear-attention layer's committed state), and the drafter is told
    to read the accepted path's hidden states first.
 7. DFlash drafts ``max_depth`` positions and builds the next trees;
-   ``take_draft_token_ids`` keeps each request's tree structure for step 3.
+   ``take_draft_token_ids`` keeps them on the device, with each request's
+   row, for step 3 (no host copy of the trees unless adaptive budgets need
+   their scores).
 """
 
 from __future__ import annotations
@@ -61,7 +64,11 @@ from vllm_ddtree.v1.sample.tree_rejection_sampler import (
 )
 from vllm_ddtree.v1.spec_decode.adaptive_budget import LatencyModel, choose_budgets
 from vllm_ddtree.v1.spec_decode.ddtree_proposer import DDTreeProposer
-from vllm_ddtree.v1.spec_decode.tree import path_first_permutation
+from vllm_ddtree.v1.spec_decode.tree import (
+    DraftTrees,
+    gather_tree_layout,
+    path_first_permutation,
+)
 from vllm_ddtree.v1.worker.host_staging import HostStaging
 from vllm_ddtree.v1.worker.tree_mamba_utils import (
     aligned_state_targets,
@@ -86,15 +93,6 @@ def patched_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(owner, name, original)
-
-
-@dataclass
-class StoredTree:
-    """The tree last proposed for a request (root excluded)."""
-
-    tokens: np.ndarray
-    parents: np.ndarray
-    depths: np.ndarray
 
 
 @dataclass
@@ -134,7 +132,11 @@ class DDTreeModelRunnerMixin:
             self.sampler.topk_topp_sampler, self.model_config.use_fp64_gumbel
         )
         self.sampler.topk_topp_sampler = self.seeded_sampling
-        self._trees: dict[str, StoredTree] = {}
+        # The trees of the last proposal (device) and, per request, its row
+        # there: the next step's verify plan gathers its tree layout from
+        # them on the device.
+        self._last_trees: DraftTrees | None = None
+        self._tree_rows: dict[str, int] = {}
         self._plan: VerifyPlan | None = None
         self.host_staging = HostStaging(self.device)
         # Set by measure_verify_latency() once the engine is warmed up.
@@ -148,8 +150,6 @@ class DDTreeModelRunnerMixin:
         logits_indices, spec_metadata = super()._prepare_inputs(
             scheduler_output, num_scheduled_tokens
         )
-        for req_id in scheduler_output.finished_req_ids:
-            self._trees.pop(req_id, None)
         self._plan = None
         self.seeded_sampling.positions = None
         if spec_metadata is not None:
@@ -163,27 +163,25 @@ class DDTreeModelRunnerMixin:
         return logits_indices, spec_metadata
 
     def _plan_verify(self, scheduler_output, num_scheduled_tokens, spec_metadata):
-        """Lay out this step's trees: each row's parents (the stored tree, or
-        a chain for drafts we did not build), depth positions, the tree
-        attention info and the sampler's row maps, sent to the device in one
-        copy. Publishes the sampler's input; returns the commit's plan."""
+        """Lay out this step's trees: each row's parents (its row of the last
+        proposal's trees, gathered on the device; a chain for drafts we did
+        not build), depth positions, the tree attention info and the
+        sampler's row maps. The host part needs only the scheduler's counts
+        and goes to the device in one copy. Publishes the sampler's input;
+        returns the commit's plan."""
         num_reqs = self.input_batch.num_reqs
         num_nodes = np.asarray(spec_metadata.num_draft_tokens, dtype=np.int64) + 1
         width = int(num_nodes.max())
-        parents = np.full((num_reqs, width), -1, dtype=np.int64)
-        depths = np.zeros((num_reqs, width), dtype=np.int64)
-        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
-            row = self.input_batch.req_id_to_index[req_id]
-            n = len(drafts)
-            stored = self._trees.get(req_id)
-            if stored is not None and np.array_equal(stored.tokens[:n], drafts):
-                parents[row, 1 : n + 1] = stored.parents[:n]
-                depths[row, 1 : n + 1] = stored.depths[:n]
-            else:
-                # Drafts we did not build (e.g. zero-filled when the drafter
-                # was skipped) are verified as the chain they are.
-                parents[row, 1 : n + 1] = np.arange(n)
-                depths[row, 1 : n + 1] = np.arange(1, n + 1)
+        # Row of each request in the last proposal's trees, -1 for drafts we
+        # did not build (e.g. zero-filled when the drafter was skipped),
+        # which are verified as the chain they are.
+        tree_row = np.full(num_reqs, -1, dtype=np.int64)
+        for req_id in scheduler_output.scheduled_spec_decode_tokens:
+            row = self._tree_rows.get(req_id)
+            if row is not None:
+                tree_row[self.input_batch.req_id_to_index[req_id]] = row
+        has_chain = bool(np.any((tree_row < 0) & (num_nodes > 1)))
+        max_depth = width - 1 if has_chain else min(self.ddtree.max_depth, width - 1)
 
         query_end = self.query_start_loc.np[1 : num_reqs + 1].astype(np.int64)
         root_index = query_end - num_nodes
@@ -192,7 +190,6 @@ class DDTreeModelRunnerMixin:
         _, _, _, is_draft, _ = rows_host
         node_rows, node_ids = np.nonzero(is_draft)
         node_tokens = root_index[node_rows] + node_ids
-        depth_delta = depths[node_rows, node_ids] - node_ids
         ctx_len = (
             self.input_batch.num_computed_tokens_cpu[:num_reqs]
             + num_scheduled_tokens[:num_reqs]
@@ -203,12 +200,12 @@ class DDTreeModelRunnerMixin:
         # Every index array of the step in one non-blocking transfer, made
         # while the GPU is idle: none is copied once the forward is queued.
         uploaded = self.host_staging.upload(
-            parents,
+            tree_row,
+            num_nodes,
             root_index,
             node_tokens,
             node_rows,
             node_ids,
-            depth_delta,
             tree_rows,
             num_nodes[tree_rows],
             root_index[tree_rows],
@@ -216,24 +213,26 @@ class DDTreeModelRunnerMixin:
             *rows_host,
         )
         (
-            parents_t,
+            tree_row_t,
+            num_nodes_t,
             root_index_t,
             node_tokens_t,
             node_rows_t,
             node_ids_t,
-            depth_delta_t,
             tree_rows_t,
             tree_nodes_t,
             tree_q_start_t,
             tree_ctx_len_t,
         ) = uploaded[:10]
         rows = VerifyRows.from_device(uploaded[10:], rows_host[-1])
+        parents_t, depths_t = gather_tree_layout(
+            self._last_trees, tree_row_t, num_nodes_t, width
+        )
 
         total = int(query_end[-1])
         linear_positions = self.positions[:total].clone()
-        self.positions[node_tokens_t] += depth_delta_t
+        self.positions[node_tokens_t] += depths_t[node_rows_t, node_ids_t] - node_ids_t
 
-        max_depth = int(depths.max())
         self.rejection_sampler.step = TreeVerifyInput(
             parents_t, max_depth, self.positions[spec_metadata.logits_indices], rows
         )
@@ -392,16 +391,13 @@ class DDTreeModelRunnerMixin:
     def take_draft_token_ids(self):
         draft = super().take_draft_token_ids()
         trees, self.drafter.last_trees = self.drafter.last_trees, None
-        if draft is None:
-            return None
-        if trees is None:
-            for req_id in draft.req_ids:
-                self._trees.pop(req_id, None)
+        # The scheduler's next drafts are this proposal's (or none): only its
+        # trees describe them.
+        self._last_trees, self._tree_rows = None, {}
+        if draft is None or trees is None:
             return draft
-        # One device-to-host copy for the three [num_reqs, B] int arrays.
-        tokens, parents, depths = (
-            torch.stack([trees.tokens, trees.parents, trees.depths]).cpu().numpy()
-        )
+        self._last_trees = trees
+        self._tree_rows = {req_id: row for row, req_id in enumerate(draft.req_ids)}
         caps = np.array(
             [self._request_budget(req_id) for req_id in draft.req_ids], np.int64
         )
@@ -414,8 +410,7 @@ class DDTreeModelRunnerMixin:
             )
         else:
             budgets = caps
-        for row, req_id in enumerate(draft.req_ids):
-            self._trees[req_id] = StoredTree(tokens[row], parents[row], depths[row])
+        for row in range(len(draft.req_ids)):
             # Nodes come best-first, so the first k of a tree built with
             # budget B are exactly the tree built with budget k.
             draft.draft_token_ids[row] = draft.draft_token_ids[row][: budgets[row]]
