@@ -8,6 +8,7 @@
 #                                      # flash_context and adaptive-vs-full-graph engines (~8 min)
 #   bash scripts/h200_check.sh sampling # GPU tree sampler; seeded DDTree == seeded V2 no-spec (~4 min)
 #   bash scripts/h200_check.sh serve   # stock DFlash beside the plugin, OpenAI server (~5 min)
+#   bash scripts/h200_check.sh soak    # 6-minute soak: 32 clients, DDTree vs no-spec servers (~10 min)
 #   bash scripts/h200_check.sh hybrid  # hybrid engines: greedy, prefix caching (~9 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
 #   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits at engine shapes, + FA3 (~3 min)
@@ -25,7 +26,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve|hybrid|kernels|sweep|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-hybrid|profile|train|e2e}
+mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve|soak|hybrid|kernels|sweep|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-hybrid|profile|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -104,6 +105,14 @@ sampling)
 serve)
   engine_test engine-stock_dflash 150 tests/gpu/test_ddtree_engine_gpu.py stock_dflash
   step serve 240 python3 -m pytest -q -rA tests/gpu/test_serve_gpu.py
+  ;;
+soak)
+  # The fixture models (a random drafter: the load, not acceptance, is the
+  # point); a device call lasts 10 minutes, so the load runs for 6.
+  step soak 580 python3 benchmarks/soak.py --fixtures --budget 16 \
+    --concurrency 32 --minutes 6 --warmup-seconds 30 --max-model-len 256 \
+    --max-tokens 32 --server-arg=--gpu-memory-utilization=0.3 \
+    --out "$out/soak-h200.json"
   ;;
 hybrid)
   engine_test hybrid-engine 330 tests/gpu/test_ddtree_hybrid_gpu.py greedy
