@@ -500,3 +500,20 @@ def test_triton_kernels_interpreted(interp_results, name):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker()
+
+
+def test_flat_parents_concatenates_each_rows_nodes():
+    """The GDN metadata's flattened parents (sized from the host counts, no
+    device sync) equal the boolean-mask selection of the valid nodes."""
+    from vllm_ddtree.v1.attention.backends.tree_gdn_attn import _flat_parents
+
+    gen = torch.Generator().manual_seed(0)
+    counts = [1, 7, 3, 12, 1]
+    parents = torch.full((len(counts), 12), -1, dtype=torch.int64)
+    for r, n in enumerate(counts):
+        parents[r, :n] = torch.tensor(random_parents(n, gen, "random"))
+    num_nodes = torch.tensor(counts, dtype=torch.int32)
+    valid = torch.arange(12)[None, :] < num_nodes[:, None]
+    got = _flat_parents(parents, num_nodes, counts)
+    assert got.dtype == torch.int32
+    assert got.tolist() == parents[valid].tolist()

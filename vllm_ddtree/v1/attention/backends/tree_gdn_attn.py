@@ -83,12 +83,30 @@ class TreeGDNAttentionMetadataBuilder(GDNAttentionMetadataBuilder):
                 f"GDN spec rows ({metadata.num_spec_decodes}) do not match the "
                 f"published tree rows ({len(tree.req_rows_cpu)})"
             )
-        nodes = torch.arange(tree.parents.shape[1], device=tree.parents.device)
-        valid = nodes[None, :] < tree.num_nodes[:, None]
         metadata.tree = GDNTree(  # type: ignore[attr-defined]
-            parents=tree.parents[valid].to(torch.int32)
+            parents=_flat_parents(tree.parents, tree.num_nodes, tree.num_nodes_cpu)
         )
         return metadata
+
+
+def _flat_parents(
+    parents: torch.Tensor, num_nodes: torch.Tensor, num_nodes_cpu: list[int]
+) -> torch.Tensor:
+    """The first ``num_nodes[r]`` parents of every row, concatenated (int32).
+
+    The output size comes from the host counts, so nothing waits for the
+    device (a boolean-mask index would sync to learn its size).
+    """
+    total = sum(num_nodes_cpu)
+    counts = num_nodes.long()
+    rows = torch.repeat_interleave(
+        torch.arange(len(num_nodes_cpu), device=parents.device),
+        counts,
+        output_size=total,
+    )
+    starts = torch.cumsum(counts, 0) - counts
+    cols = torch.arange(total, device=parents.device) - starts[rows]
+    return parents[rows, cols].to(torch.int32)
 
 
 class TreeGDNAttentionBackend(GDNAttentionBackend):
