@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.gdn_attn import (
@@ -45,7 +46,7 @@ from vllm.v1.attention.backends.gdn_attn import (
 
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import current_tree
-from vllm_ddtree.v1.ops.tree_gdn import commit_tree_state
+from vllm_ddtree.v1.ops.tree_gdn import commit_tree_state, token_rows
 
 
 @dataclass
@@ -98,13 +99,8 @@ def _flat_parents(
     device (a boolean-mask index would sync to learn its size).
     """
     total = sum(num_nodes_cpu)
-    counts = num_nodes.long()
-    rows = torch.repeat_interleave(
-        torch.arange(len(num_nodes_cpu), device=parents.device),
-        counts,
-        output_size=total,
-    )
-    starts = torch.cumsum(counts, 0) - counts
+    starts = F.pad(torch.cumsum(num_nodes.long(), 0), (1, 0))
+    rows = token_rows(starts, total)
     cols = torch.arange(total, device=parents.device) - starts[rows]
     return parents[rows, cols].to(torch.int32)
 
