@@ -12,6 +12,7 @@
 #   bash scripts/h200_check.sh hybrid  # hybrid engines: greedy, prefix caching (~9 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
 #   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits at engine shapes, + FA3 (~3 min)
+#   bash scripts/h200_check.sh shapes  # tree attention at the engine's shapes (chosen tiles), + FA3 (~2 min)
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
 #   bash scripts/h200_check.sh e2e-8b-flash  # + DDTree with ddtree.flash_context, same table (~4 min)
 #   bash scripts/h200_check.sh e2e-8b-v1  # + no-spec and DFlash on the V1 runner, same table (~5 min)
@@ -26,7 +27,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve|soak|hybrid|kernels|sweep|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-hybrid|profile|train|e2e}
+mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve|soak|hybrid|kernels|sweep|shapes|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-hybrid|profile|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -115,7 +116,7 @@ soak)
     --out "$out/soak-h200.json"
   ;;
 hybrid)
-  engine_test hybrid-engine 330 tests/gpu/test_ddtree_hybrid_gpu.py greedy
+  engine_test hybrid-engine 380 tests/gpu/test_ddtree_hybrid_gpu.py greedy
   engine_test hybrid-prefix-caching 200 tests/gpu/test_ddtree_hybrid_gpu.py \
     prefix_caching
   ;;
@@ -129,6 +130,11 @@ kernels)
 sweep)
   step tile-sweep 200 python3 benchmarks/bench_tree_attention.py --sweep --no-sdpa \
     --batches 1,4,16 --contexts 1024,4096 --trees 17,65 --out "$out/tile_sweep.json"
+  ;;
+shapes)
+  step engine-shapes 150 python3 benchmarks/bench_tree_attention.py --no-sdpa \
+    --batches 1,4,16 --contexts 1024,4096 --trees 17,65 \
+    --out "$out/tree_attention_engine_shapes.json"
   ;;
 e2e-8b | e2e-8b-flash | e2e-8b-v1)
   # DDTree's first start on a fresh machine compiles its Triton variants

@@ -140,7 +140,9 @@ def make_gdn_batch(
         conv_state=dev(rnd(num_slots, dim, width - 1 + num_spec), dtype),
         conv_weight=dev(rnd(dim, width, std=0.5), dtype),
         conv_bias=dev(rnd(dim, std=0.1), dtype),
-        conv_slots=dev(conv_slots.int()),
+        # Strided views: the kernels must honour any index layout (the
+        # engine's conv slots are column 0 of its state indices).
+        conv_slots=dev(conv_slots.int().repeat_interleave(2).view(-1, 2))[:, 0],
         q=dev(rnd(num_tokens, h, dk), dtype),
         k=dev(rnd(num_tokens, h, dk), dtype),
         v=dev(rnd(num_tokens, hv, dv), dtype),
@@ -149,7 +151,7 @@ def make_gdn_batch(
         A_log=dev(rnd(hv, std=0.5)),
         dt_bias=dev(rnd(hv, std=0.5)),
         ssm_state=dev(rnd(num_slots, hv, dv, dk, std=0.3)),
-        state_indices=dev(state_indices.int()),
+        state_indices=dev(state_indices.int().t().contiguous()).t(),
     )
 
 

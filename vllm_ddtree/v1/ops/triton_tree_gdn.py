@@ -56,6 +56,7 @@ def _tree_recurrent_kernel(
     stride_s_v,
     stride_s_k,
     stride_idx_r,
+    stride_idx_c,
     HV: tl.constexpr,
     GROUP: tl.constexpr,
     K: tl.constexpr,
@@ -92,7 +93,7 @@ def _tree_recurrent_kernel(
         if (t > 0) & (parent != t - 1):
             # Branch: continue from the parent's stored state.
             tl.debug_barrier()
-            p_slot = tl.load(idx_row + parent).to(tl.int64)
+            p_slot = tl.load(idx_row + parent * stride_idx_c).to(tl.int64)
             b_h = tl.load(state + p_slot * stride_s_slot + h_offs, mask=mask_h, other=0)
             b_h = b_h.to(tl.float32)
 
@@ -130,7 +131,7 @@ def _tree_recurrent_kernel(
             b_o.to(o.dtype.element_ty),
             mask=mask_v,
         )
-        own = tl.load(idx_row + t).to(tl.int64)
+        own = tl.load(idx_row + t * stride_idx_c).to(tl.int64)
         tl.store(
             state + own * stride_s_slot + h_offs,
             b_h.to(state.dtype.element_ty),
@@ -172,7 +173,7 @@ def tree_gated_delta_rule(
         query_start_loc, parents, scale, softplus_beta, softplus_threshold,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a2.stride(0), b2.stride(0), out.stride(0), out.stride(1),
-        *ssm_state.stride(), state_indices.stride(0),
+        *ssm_state.stride(), *state_indices.stride(),
         HV=num_v_heads, GROUP=num_v_heads // num_k_heads, K=head_k, V=head_v,
         BK=BK, BV=BV, USE_QK_L2NORM=use_qk_l2norm,
         num_warps=4,
@@ -191,6 +192,7 @@ def _tree_conv1d_kernel(
     query_start_loc,
     parents,
     dim,
+    stride_idx_r,
     stride_x_t,
     stride_x_c,
     stride_s_slot,
@@ -210,7 +212,7 @@ def _tree_conv1d_kernel(
     cmask = c < dim
     bos = tl.load(query_start_loc + r).to(tl.int64)
     num_nodes = tl.load(query_start_loc + r + 1).to(tl.int64) - bos
-    slot = tl.load(conv_state_indices + r).to(tl.int64)
+    slot = tl.load(conv_state_indices + r * stride_idx_r).to(tl.int64)
     s_base = conv_state + slot * stride_s_slot + c * stride_s_c
     w_base = weight + c * stride_w_c
     if HAS_BIAS:
@@ -285,7 +287,8 @@ def tree_causal_conv1d_update(
     _tree_conv1d_kernel[grid](
         x, conv_state, weight, bias if bias is not None else x, out,
         conv_state_indices, query_start_loc, parents, dim,
-        x.stride(0), x.stride(1), *conv_state.stride(), *weight.stride(),
+        conv_state_indices.stride(0), x.stride(0), x.stride(1),
+        *conv_state.stride(), *weight.stride(),
         out.stride(0), out.stride(1),
         W=width, HAS_BIAS=bias is not None, SILU=activation is not None,
         BLOCK_C=BLOCK_C, num_warps=4,
