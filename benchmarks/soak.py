@@ -578,11 +578,18 @@ def main(argv: list[str] | None = None) -> int:
             (("ddtree", True), ("reference", False)), server_envs(), strict=True
         )
     ]
+    from vllm.platforms import current_platform
+
+    # On a GPU the servers start one after the other: each sizes its KV
+    # cache from the memory it sees free while profiling, which the other's
+    # start would change under it. CPU servers start at once.
+    one_by_one = not current_platform.is_cpu()
     with contextlib.ExitStack() as stack:
-        # Start both at once; wait for both.
         for server in servers:
             server.start()
             stack.callback(server.stop)
+            if one_by_one:
+                server.wait_ready()
         for server in servers:
             server.wait_ready()
         report = asyncio.run(soak(args, *servers))

@@ -113,6 +113,7 @@ soak)
   step soak 580 python3 benchmarks/soak.py --fixtures --budget 16 \
     --concurrency 32 --minutes 6 --warmup-seconds 30 --max-model-len 256 \
     --max-tokens 32 --server-arg=--gpu-memory-utilization=0.3 \
+    --server-arg=--max-num-seqs=64 --log-dir "$logs/soak-servers" \
     --out "$out/soak-h200.json"
   ;;
 hybrid)
