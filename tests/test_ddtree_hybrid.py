@@ -60,17 +60,24 @@ def _generate(
     return outputs
 
 
-@pytest.fixture(scope="module")
-def target(fixtures, tmp_path_factory) -> Path:
-    """The fixture hybrid target with its GDN output projections amplified."""
-    out = tmp_path_factory.mktemp("hybrid-strong-gdn")
-    shutil.copytree(fixtures.hybrid_target, out, dirs_exist_ok=True)
+def amplified_target(hybrid_target: Path, out: Path) -> Path:
+    """A copy of ``hybrid_target`` in ``out`` with its GDN output
+    projections amplified by ``GDN_GAIN``."""
+    shutil.copytree(hybrid_target, out, dirs_exist_ok=True)
     weights = load_file(out / "model.safetensors")
     for name, w in weights.items():
         if name.endswith("linear_attn.out_proj.weight"):
             weights[name] = (w.float() * GDN_GAIN).to(w.dtype)
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+@pytest.fixture(scope="module")
+def target(fixtures, tmp_path_factory) -> Path:
+    """The fixture hybrid target with its GDN output projections amplified."""
+    return amplified_target(
+        fixtures.hybrid_target, tmp_path_factory.mktemp("hybrid-strong-gdn")
+    )
 
 
 def no_spec_reference(
