@@ -82,9 +82,7 @@ interp_results = interpreter_fixture(__file__, timeout=1200)
 
 def test_triton_gdn_kernels_in_the_cpu_engine(interp_results):
     rec = interpreted_case(interp_results, "engine")
-    for i, (want, have) in enumerate(
-        zip(rec["reference"], rec["ddtree"], strict=True)
-    ):
+    for i, (want, have) in enumerate(zip(rec["reference"], rec["ddtree"], strict=True)):
         assert have[: len(want)] == want, f"prompt {i}: {want} vs {have}"
 
 
