@@ -13,6 +13,7 @@
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
 #   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits at engine shapes, + FA3 (~3 min)
 #   bash scripts/h200_check.sh shapes  # tree attention at the engine's shapes (chosen tiles), + FA3 (~2 min)
+#   bash scripts/h200_check.sh caches  # pack the compile / autotune caches into $OUT (see below)
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
 #   bash scripts/h200_check.sh e2e-8b-flash  # + DDTree with ddtree.flash_context, same table (~4 min)
 #   bash scripts/h200_check.sh e2e-8b-v1  # + no-spec and DFlash on the V1 runner, same table (~5 min)
@@ -27,10 +28,18 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve|soak|hybrid|kernels|sweep|shapes|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-hybrid|profile|train|e2e}
+mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve|soak|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-hybrid|profile|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# Compiled Triton kernels, Triton's autotuning timings and vLLM's compile
+# cache outlive the machine: `caches` packs them into $OUT; put that file in
+# .device-cache/ (git-excluded) and carry it, and the next machine unpacks it
+# before anything compiles (the FLA kernels' autotuning alone takes ~200 s).
+export TRITON_CACHE_AUTOTUNING=1
+if [ -f .device-cache/caches.tgz ]; then
+  tar xzf .device-cache/caches.tgz -C "$HOME" || echo "could not unpack the caches"
+fi
 out=${OUT:-$PWD/h200-results}
 logs=$(mktemp -d)
 mkdir -p "$out"
@@ -181,6 +190,14 @@ e2e)
   cp /tmp/e2e-h200/results.json "$out/e2e-h200.json"
   cp /tmp/e2e-h200/table.md "$out/e2e-h200.md"
   cp /tmp/e2e-h200/*.png "$out/" 2>/dev/null
+  ;;
+caches)
+  # Triton loads a cached kernel from its metadata and binary; the
+  # intermediate IRs stay behind (a returned file holds at most 16 MiB).
+  tar czf "$out/caches.tgz" -C "$HOME" --exclude='*.ptx' --exclude='*.ttir' \
+    --exclude='*.ttgir' --exclude='*.llir' --exclude='*.source' \
+    .triton/cache .cache/vllm 2>/dev/null
+  du -sh "$HOME/.triton/cache" "$HOME/.cache/vllm" "$out/caches.tgz"
   ;;
 *)
   echo "unknown mode $mode" >&2
