@@ -10,7 +10,8 @@ times a decode of ``--max-tokens`` tokens and examines more decodes:
   drafting, the bookkeeping sync that waits for the device, ...), measured
   with plain timers around those methods (inclusive: nested phases count in
   their callers too);
-* ``cprofile.txt``: Python time by function (host-side overhead, syncs);
+* ``cprofile.txt``: Python time by function (host-side overhead), then the
+  callers of every host-device sync (``.cpu()``, ``.item()``, ...);
 * ``kernels.txt``: the torch profiler's per-op table sorted by device time,
   then by host time (launch counts show per-layer / per-depth loops);
 * ``summary.json``: step time, and the device's busy time per step from
@@ -194,6 +195,8 @@ def main() -> None:
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("tottime").print_stats(40)
     stats.sort_stats("cumulative").print_stats(60)
+    # Who waits for the device: every caller of a host-device sync.
+    stats.print_callers(r"method '(cpu|item|tolist|synchronize)'")
     (args.out / "cprofile.txt").write_text(text.getvalue())
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
