@@ -48,8 +48,8 @@ class DDTreeConfig:
             FlashAttention over the context plus a tree-only Triton pass,
             merged by log-sum-exp, instead of the one fused Triton kernel
             (faster in 10 of 12 kernel-level shapes on an H200; see
-            ``flash_context_tree_attention.py``). Off until the engine-level
-            comparison is measured.
+            ``flash_context_tree_attention.py``). Off by default: in the
+            engine it has not been faster yet (docs/usage.md).
     """
 
     budget: int
