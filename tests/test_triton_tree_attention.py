@@ -73,6 +73,7 @@ class TreeBatch:
     max_nodes: int
     scale: float
     tree_tokens: list[int] = field(default_factory=list)
+    parents: list[list[int]] = field(default_factory=list)  # each row's tree
 
     def args(self, out: torch.Tensor) -> tuple:
         return (
@@ -144,10 +145,11 @@ def make_batch(
     tree_mask = torch.randint(
         -(2**31), 2**31 - 1, (m + 1, num_words), generator=gen, dtype=torch.int64
     ).to(torch.int32)  # garbage in the spare rows
+    row_parents = []
     for r, (n, _) in enumerate(rows):
-        kind = tree_kinds[r % len(tree_kinds)]
+        row_parents.append(random_parents(n, gen, tree_kinds[r % len(tree_kinds)]))
         tree_mask[mask_row_start[r] : mask_row_start[r] + n] = pack_masks(
-            random_parents(n, gen, kind), num_words
+            row_parents[-1], num_words
         )
 
     # Paged KV: random block assignment.
@@ -191,6 +193,7 @@ def make_batch(
         max_nodes=max_nodes,
         scale=1.0 / math.sqrt(head_dim),
         tree_tokens=tree_tokens,
+        parents=row_parents,
     )
 
 

@@ -140,6 +140,12 @@ def _worker() -> None:
                 parents, num_nodes, starts, sum(counts), max_depth
             )
             res["mask_equal"] = torch.equal(bits, want)
+            # Into a given buffer (the uniform batches' graph buffer).
+            out = torch.full_like(want, -1)
+            into = packed_ancestor_mask_triton(
+                parents, num_nodes, starts, sum(counts), max_depth, out=out
+            )
+            res["mask_out_equal"] = into is out and torch.equal(out, want)
         except Exception as exc:
             res = {"error": repr(exc)}
         print_case(name, res)
@@ -190,6 +196,7 @@ def test_triton_tree_cores_interpreted(interp_results, name):
     assert rec["walk_equal"], rec
     assert rec["out_equal"], rec
     assert rec["mask_equal"], rec
+    assert rec["mask_out_equal"], rec
 
 
 @pytest.mark.parametrize("name", list(BUILD_CASES))

@@ -5,8 +5,6 @@ their addresses from step to step, and give the same attention."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -100,24 +98,18 @@ def test_fill_matches_runner_metadata_and_keeps_addresses():
         assert bits.eq(1).all()
 
 
-def test_fill_follows_the_trees_mask_rows():
-    """The published masks may keep each request's rows anywhere (their
-    ``starts``); the buffers hold request ``r`` at row ``r * N``."""
+def test_fill_puts_request_rs_masks_at_row_r_times_n():
+    """The buffers hold request ``r``'s masks at rows ``r * N``: the
+    published trees' masks (their rows are the batch's first requests, in
+    order), whatever the buffers held before; padding rows keep theirs."""
     tree = _published(_random_parents(3, torch.Generator().manual_seed(1)), [1, 2, 3])
-    packed, starts = tree.packed_mask
-    blocks = list(packed.split(N))
-    order = [2, 0, 1]  # request r's rows are block order.index(r)
-    shuffled = dataclasses.replace(
-        tree,
-        packed=(
-            torch.cat([blocks[r] for r in order]),
-            torch.tensor([order.index(r) * N for r in range(3)], dtype=torch.int32),
-        ),
-    )
-    buffers = UniformTreeBuffers(3, N, 64, torch.device("cpu"))
-    info = buffers.fill(3, _seq_lens([1, 2, 3], 0), shuffled)
-    assert torch.equal(info.packed_mask[0], packed)
-    assert torch.equal(info.packed_mask[1], starts)
+    want, starts = tree.packed_mask
+    buffers = UniformTreeBuffers(4, N, 64, torch.device("cpu"))
+    buffers.mask.fill_(-1)
+    info = buffers.fill(4, _seq_lens([1, 2, 3], 1), tree)
+    assert torch.equal(info.packed_mask[0][: 3 * N], want)
+    assert torch.equal(info.packed_mask[1][:3], starts)
+    assert bool((buffers.mask[3 * N :] == -1).all())
 
 
 def test_fill_without_a_tree_is_causal():
@@ -138,6 +130,11 @@ def test_fill_rejects_trees_that_are_not_uniform():
     buffers = UniformTreeBuffers(3, N, 64, torch.device("cpu"))
     tree = _published(_random_parents(2, torch.Generator()), [5, 9])
     tree.num_nodes_cpu = [N, N - 2]
+    with pytest.raises(ValueError, match="uniform"):
+        buffers.fill(2, _seq_lens([5, 9], 0), tree)
+    # Trees that are not the batch's first requests in order.
+    tree = _published(_random_parents(2, torch.Generator()), [5, 9])
+    tree.req_rows_cpu = [1, 0]
     with pytest.raises(ValueError, match="uniform"):
         buffers.fill(2, _seq_lens([5, 9], 0), tree)
 

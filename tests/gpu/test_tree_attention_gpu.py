@@ -230,11 +230,13 @@ def test_uniform_tree_buffers_under_cuda_graph(num_nodes):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         run(chain)
+    # As the runner publishes them: parents only (``fill`` packs the masks
+    # into the buffers; the reference reads the batch's own packing).
     published = TreeAttentionInfo(
         req_rows=b.q_start, q_start=b.q_start, num_nodes=b.num_nodes,
-        ctx_len=b.ctx_len, parents=b.q_start[:, None], max_depth=n - 1,
-        req_rows_cpu=[0, 1, 2], q_start_cpu=[0, n, 2 * n], num_nodes_cpu=[n] * 3,
-        ctx_len_cpu=ctx, covers_batch=True, packed=(b.tree_mask, b.mask_row_start),
+        ctx_len=b.ctx_len, parents=torch.tensor(b.parents, device="cuda"),
+        max_depth=n - 1, req_rows_cpu=[0, 1, 2], q_start_cpu=[0, n, 2 * n],
+        num_nodes_cpu=[n] * 3, ctx_len_cpu=ctx, covers_batch=True,
     )  # fmt: skip
     buffers.fill(4, seq_lens, published)
     out.fill_(float("nan"))

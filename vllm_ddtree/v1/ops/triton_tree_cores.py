@@ -175,6 +175,7 @@ def packed_ancestor_mask_triton(
     row_start: torch.Tensor,
     total_rows: int,
     max_depth: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The bit-packed ancestor-or-self masks of
     :func:`~vllm_ddtree.v1.attention.backends.tree_attn.pack_ancestor_mask`,
@@ -182,13 +183,20 @@ def packed_ancestor_mask_triton(
 
     ``parents`` is ``[R, N]`` (root ``-1``), ``row_start`` the first output
     row of each request, ``total_rows = sum(num_nodes)``; every node's depth
-    is at most ``max_depth``.
+    is at most ``max_depth``. With ``out`` (``[total_rows, ceil(N / 32)]``
+    int32, words contiguous) the masks are written there and ``out`` is
+    returned.
     """
     num_reqs, n = parents.shape
     num_words = (n + 31) // 32
-    packed = torch.empty(
-        total_rows, num_words, dtype=torch.int32, device=parents.device
-    )
+    if out is None:
+        packed = torch.empty(
+            total_rows, num_words, dtype=torch.int32, device=parents.device
+        )
+    else:
+        assert out.shape == (total_rows, num_words) and out.dtype == torch.int32
+        assert out.stride(1) == 1, "the words of a mask row must be contiguous"
+        packed = out
     if num_reqs:
         _ancestor_bits_kernel[(num_reqs,)](
             parents,

@@ -162,8 +162,7 @@ class UniformTreeBuffers:
         self.q_start = rows * num_nodes
         self.node_counts = torch.full_like(rows, num_nodes)
         self.ctx_len = torch.zeros_like(rows)
-        self._node_ids = torch.arange(num_nodes, device=device)
-        chain = self._node_ids - 1
+        chain = torch.arange(num_nodes, device=device) - 1
         self.chain_parents = chain.expand(max_num_reqs, num_nodes).contiguous()
         causal = torch.ones(num_nodes, num_nodes, dtype=torch.bool, device=device)
         one_chain, _ = pack_ancestor_mask(causal.tril()[None], [num_nodes])
@@ -200,12 +199,34 @@ class UniformTreeBuffers:
             self.mask[: num_reqs * n].copy_(self.chain_mask[: num_reqs * n])
             parents, max_depth = self.chain_parents[:num_reqs], n - 1
         else:
-            if not tree.covers_batch or set(tree.num_nodes_cpu) != {n}:
+            num_trees = len(tree.num_nodes_cpu)
+            if (
+                not tree.covers_batch
+                or set(tree.num_nodes_cpu) != {n}
+                or tree.req_rows_cpu != list(range(num_trees))
+            ):
                 raise ValueError("the published trees do not make a uniform batch")
-            # Request r's rows go to r * n onwards, wherever the tree has them.
-            packed, starts = tree.packed_mask
-            rows = (starts.long()[:, None] + self._node_ids).flatten()
-            torch.index_select(packed, 0, rows, out=self.mask[: rows.numel()])
+            # The tree's rows are the batch's first requests, in order (graph
+            # padding requests after them), so request r's masks are rows
+            # r * n onwards in its packing as in the buffer.
+            rows = self.mask[: num_trees * n]
+            if tree.parents.is_cuda:
+                # Imported here: only GPU processes need Triton. One launch
+                # straight into the buffer the graph reads.
+                from vllm_ddtree.v1.ops.triton_tree_cores import (
+                    packed_ancestor_mask_triton,
+                )
+
+                packed_ancestor_mask_triton(
+                    tree.parents,
+                    self.node_counts[:num_trees],
+                    self.q_start[:num_trees],
+                    num_trees * n,
+                    tree.max_depth,
+                    out=rows,
+                )
+            else:
+                rows.copy_(tree.packed_mask[0])
             parents, max_depth = tree.parents, tree.max_depth
         return TreeAttentionInfo(
             req_rows=self.req_rows[:num_reqs],
