@@ -14,6 +14,7 @@ but the first depends on per-request indexing (the H200 divergence found on
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -49,7 +50,7 @@ def _worker() -> None:
     try:
         from vllm_ddtree.v1.ops import triton_tree_gdn
     except Exception as exc:  # pragma: no cover - environment dependent
-        print(f'SKIP "cannot import triton kernels: {exc!r}"')
+        print("SKIP " + json.dumps(f"cannot import triton kernels: {exc!r}"))
         return
     from vllm_ddtree.fixtures import fixture_paths
     from vllm_ddtree.v1.attention.backends import tree_gdn_attn
