@@ -500,10 +500,6 @@ def test_triton_kernels_interpreted(interp_results, name):
     assert max(rec.values()) < tol, rec
 
 
-if __name__ == "__main__" and "--worker" in sys.argv:
-    _worker()
-
-
 def test_flat_parents_concatenates_each_rows_nodes():
     """The GDN metadata's flattened parents (sized from the host counts, no
     device sync) equal the boolean-mask selection of the valid nodes."""
@@ -519,3 +515,7 @@ def test_flat_parents_concatenates_each_rows_nodes():
     got = _flat_parents(parents, num_nodes, counts)
     assert got.dtype == torch.int32
     assert got.tolist() == parents[valid].tolist()
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
