@@ -200,6 +200,7 @@ def run_worker(job: dict) -> list[dict]:
                     "adaptive_budget": job["method"] == "ddtree"
                     and not job["fixed_budget"],
                     "flash_context": job["method"] == "ddtree" and job["flash_context"],
+                    "async_scheduling": job["engine"]["async_scheduling"],
                     "batch": batch,
                     "temperature": temperature,
                     "requests": waves * batch,
@@ -273,8 +274,9 @@ def table(rows: list[dict]) -> str:
         if r.get("flash_context"):
             budget = f"{budget} flash-ctx"
         tau = r["tau"] if _base_method(r["method"]) != "nospec" else None
+        method = r["method"] + (" async" if r.get("async_scheduling") else "")
         lines.append(
-            f"| {r['batch']} | {r['temperature']:g} | {r['method']} | {budget} "
+            f"| {r['batch']} | {r['temperature']:g} | {method} | {budget} "
             f"| {r['tok_s']:.1f} | {_fmt(tau, '.2f')} | {r['step_ms']:.2f} "
             f"| {_fmt(r['vs_dflash'], '.2f')} | {_fmt(r['vs_nospec'], '.2f')} |"
         )
@@ -410,8 +412,9 @@ def _engine_settings(args) -> dict:
         or (0.85 if on_gpu else 0.3),
         "seed": 0,
         "disable_log_stats": False,
-        # DDTree needs synchronous scheduling; keep it the same for everyone.
-        "async_scheduling": False,
+        # The same for everyone: DDTree's adaptive budgets need synchronous
+        # scheduling, fixed budgets also run asynchronously.
+        "async_scheduling": args.async_scheduling,
         "load_format": args.load_format,
     }
     if args.load_format == "dummy":
@@ -483,6 +486,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="ddtree: FlashAttention context + tree-only pass (ddtree.flash_context)",
     )
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="every method: vLLM's async scheduling (ddtree: with --fixed-budget)",
+    )
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -500,6 +508,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+    if args.async_scheduling and "ddtree" in args.methods and not args.fixed_budget:
+        ap.error("--async-scheduling with ddtree needs --fixed-budget")
     prompts_file = None
     if args.load_format != "dummy":
         from vllm_ddtree.fixtures import TRAINED_TINY_DIR, trained_pair
@@ -538,6 +548,8 @@ def main(argv: list[str] | None = None) -> None:
             tag += "-fixed"
         if job["method"] == "ddtree" and args.flash_context:
             tag += "-flashctx"
+        if args.async_scheduling:
+            tag += "-async"
         job.update(
             target=args.target,
             drafter=args.drafter,

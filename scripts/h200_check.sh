@@ -3,7 +3,8 @@
 #
 # On the device machine, after staging vLLM there (../shared/device/README.md):
 #   bash scripts/h200_check.sh tests   # kernel tests: attention, GDN, cores (~5 min)
-#   bash scripts/h200_check.sh engines # dense engines, greedy == no-spec (~8 min)
+#   bash scripts/h200_check.sh engines # dense engines, greedy == no-spec (~9 min)
+#   bash scripts/h200_check.sh async   # two async-scheduled dense engine cases (~4 min)
 #   bash scripts/h200_check.sh graphs  # full CUDA graphs: kernel under capture, graph engines,
 #                                      # flash_context and adaptive-vs-full-graph engines (~8 min)
 #   bash scripts/h200_check.sh sampling # GPU tree sampler; seeded DDTree == seeded V2 no-spec (~4 min)
@@ -17,6 +18,7 @@
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
 #   bash scripts/h200_check.sh e2e-8b-flash  # + DDTree with ddtree.flash_context, same table (~4 min)
 #   bash scripts/h200_check.sh e2e-8b-v1  # + no-spec and DFlash on the V1 runner, same table (~5 min)
+#   bash scripts/h200_check.sh e2e-8b-async  # no-spec / DFlash / DDTree, all async-scheduled (~8 min)
 #   bash scripts/h200_check.sh e2e-hybrid  # dummy Qwen3.5-9B-like hybrid: no-spec / DFlash / DDTree (~9 min)
 #   bash scripts/h200_check.sh profile # DDTree B=64 and DFlash (V1) steps of dummy Qwen3-8B profiled (~9 min)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
@@ -28,7 +30,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|graphs|sampling|serve|soak|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-hybrid|profile|train|e2e}
+mode=${1:?usage: h200_check.sh tests|engines|async|graphs|sampling|serve|soak|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-hybrid|profile|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -93,16 +95,27 @@ tests)
   ;;
 engines)
   # The first engine of a fresh machine also pays vLLM's kernel JIT.
-  engine_test engine-False-16-8 220 tests/gpu/test_ddtree_engine_gpu.py False-16-8
-  for id in True-16-8 True-32-64 False-16-64; do
+  engine_test engine-False-16-8-async 220 tests/gpu/test_ddtree_engine_gpu.py \
+    False-16-8-async
+  for id in True-16-8-async True-32-64-async False-16-64-async True-16-8-sync \
+    False-16-64-sync; do
     engine_test "engine-$id" 110 tests/gpu/test_ddtree_engine_gpu.py "$id"
   done
+  ;;
+async)
+  # The async-scheduled engine cases alone (fixed budgets, CUDA graphs and eager).
+  engine_test engine-False-16-64-async 220 tests/gpu/test_ddtree_engine_gpu.py \
+    False-16-64-async
+  engine_test engine-True-32-64-async 110 tests/gpu/test_ddtree_engine_gpu.py \
+    True-32-64-async
   ;;
 graphs)
   step graph-kernels 120 python3 -m pytest -q -rf tests/gpu/test_tree_attention_gpu.py \
     -k "cuda_graph"
-  engine_test engine-False-16-8 220 tests/gpu/test_ddtree_engine_gpu.py False-16-8
-  engine_test engine-False-16-64 110 tests/gpu/test_ddtree_engine_gpu.py False-16-64
+  engine_test engine-False-16-8-async 220 tests/gpu/test_ddtree_engine_gpu.py \
+    False-16-8-async
+  engine_test engine-False-16-64-sync 110 tests/gpu/test_ddtree_engine_gpu.py \
+    False-16-64-sync
   engine_test engine-small_max_num_seqs 110 tests/gpu/test_ddtree_engine_gpu.py \
     small_max_num_seqs
   engine_test engine-flash_context 150 tests/gpu/test_ddtree_engine_gpu.py flash_context
@@ -161,6 +174,14 @@ e2e-8b | e2e-8b-flash | e2e-8b-v1)
   esac
   cp /tmp/e2e-8b/results.json "$out/e2e-8b.json"
   cp /tmp/e2e-8b/table.md "$out/e2e-8b.md"
+  ;;
+e2e-8b-async)
+  # The same three methods, every one under vLLM's async scheduling (a
+  # table of its own: ratios compare like with like).
+  step e2e-8b-async 590 "${e2e_8b[@]}" --methods nospec,dflash,ddtree \
+    --async-scheduling --out /tmp/e2e-8b-async
+  cp /tmp/e2e-8b-async/results.json "$out/e2e-8b-async.json"
+  cp /tmp/e2e-8b-async/table.md "$out/e2e-8b-async.md"
   ;;
 e2e-hybrid)
   # Qwen3.5-9B-like hybrid (Qwen3-Next layers: 24 GDN + 8 attention, dense

@@ -83,6 +83,7 @@ class Oracle:
 @contextmanager
 def oracle_drafter(oracle: Oracle) -> Iterator[None]:
     """Make every DDTreeProposer in this process draft from ``oracle``."""
+    original_runner_propose = DDTreeModelRunnerMixin.propose_draft_token_ids
     original_propose = DDTreeProposer.propose
     original_sample = DDTreeProposer._sample_draft_tokens
 
@@ -92,8 +93,7 @@ def oracle_drafter(oracle: Oracle) -> Iterator[None]:
             tuple(self.requests[req_id].prompt_token_ids)
             for req_id in self.input_batch.req_ids
         ]
-        parent = super(DDTreeModelRunnerMixin, self)
-        return parent.propose_draft_token_ids(*args, **kwargs)
+        return original_runner_propose(self, *args, **kwargs)
 
     def propose(self, *args, **kwargs):
         # Index of each request's root (the bonus token) in its sequence:
@@ -127,6 +127,6 @@ def oracle_drafter(oracle: Oracle) -> Iterator[None]:
     try:
         yield
     finally:
-        del DDTreeModelRunnerMixin.propose_draft_token_ids
+        DDTreeModelRunnerMixin.propose_draft_token_ids = original_runner_propose
         DDTreeProposer.propose = original_propose
         DDTreeProposer._sample_draft_tokens = original_sample

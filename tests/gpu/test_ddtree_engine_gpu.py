@@ -27,10 +27,16 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 
 
 def _engine(
-    model, enforce_eager: bool, block_size: int = 16, spec=None, max_num_seqs=16
+    model,
+    enforce_eager: bool,
+    block_size: int = 16,
+    spec=None,
+    max_num_seqs=16,
+    async_scheduling: bool | None = None,
 ) -> LLM:
     return make_llm(
         model,
+        async_scheduling=async_scheduling,
         enforce_eager=enforce_eager,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
@@ -60,17 +66,35 @@ def expected(fixtures) -> list[list[int]]:
         shutdown_llm(llm)
 
 
+# Fixed budgets schedule asynchronously by default on a GPU (vLLM's
+# default); ``sync`` cases pin synchronous scheduling.
 @pytest.mark.parametrize(
-    ("enforce_eager", "block_size", "budget"),
-    [(True, 16, 8), (True, 32, 64), (False, 16, 8), (False, 16, 64)],
+    ("enforce_eager", "block_size", "budget", "scheduling"),
+    [
+        (True, 16, 8, "async"),
+        (True, 32, 64, "async"),
+        (False, 16, 8, "async"),
+        (False, 16, 64, "async"),
+        (True, 16, 8, "sync"),
+        (False, 16, 64, "sync"),
+    ],
 )
 def test_greedy_equals_no_spec_on_gpu(
-    fixtures, expected, enforce_eager, block_size, budget
+    fixtures, expected, enforce_eager, block_size, budget, scheduling
 ):
     oracle = Oracle({tuple(p): p + o for p, o in zip(PROMPTS, expected, strict=True)})
     spec = ddtree_config(fixtures.dense_drafter, budget)
     with oracle_drafter(oracle):
-        llm = _engine(fixtures.dense_target, enforce_eager, block_size, spec)
+        llm = _engine(
+            fixtures.dense_target,
+            enforce_eager,
+            block_size,
+            spec,
+            async_scheduling=scheduling == "async",
+        )
+        assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling == (
+            scheduling == "async"
+        )
         try:
             # Prometheus counters are process-wide: measure this engine's share.
             before = metric(llm, ACCEPTED) or 0

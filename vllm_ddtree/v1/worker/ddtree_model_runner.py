@@ -134,7 +134,8 @@ class DDTreeModelRunnerMixin:
         self.sampler.topk_topp_sampler = self.seeded_sampling
         # The trees of the last proposal (device) and, per request, its row
         # there: the next step's verify plan gathers its tree layout from
-        # them on the device.
+        # them on the device. Kept when proposed, not when the scheduler
+        # takes the drafts: under async scheduling it never does.
         self._last_trees: DraftTrees | None = None
         self._tree_rows: dict[str, int] = {}
         self._plan: VerifyPlan | None = None
@@ -167,8 +168,10 @@ class DDTreeModelRunnerMixin:
         proposal's trees, gathered on the device; a chain for drafts we did
         not build), depth positions, the tree attention info and the
         sampler's row maps. The host part needs only the scheduler's counts
-        and goes to the device in one copy. Publishes the sampler's input;
-        returns the commit's plan."""
+        and goes to the device in one copy; context lengths come from the
+        device's sequence lengths (under async scheduling the host's count
+        every draft of the last step as accepted, and are upper bounds).
+        Publishes the sampler's input; returns the commit's plan."""
         num_reqs = self.input_batch.num_reqs
         num_nodes = np.asarray(spec_metadata.num_draft_tokens, dtype=np.int64) + 1
         width = int(num_nodes.max())
@@ -209,7 +212,6 @@ class DDTreeModelRunnerMixin:
             tree_rows,
             num_nodes[tree_rows],
             root_index[tree_rows],
-            ctx_len[tree_rows],
             *rows_host,
         )
         (
@@ -222,9 +224,8 @@ class DDTreeModelRunnerMixin:
             tree_rows_t,
             tree_nodes_t,
             tree_q_start_t,
-            tree_ctx_len_t,
-        ) = uploaded[:10]
-        rows = VerifyRows.from_device(uploaded[10:], rows_host[-1])
+        ) = uploaded[:9]
+        rows = VerifyRows.from_device(uploaded[9:], rows_host[-1])
         parents_t, depths_t = gather_tree_layout(
             self._last_trees, tree_row_t, num_nodes_t, width
         )
@@ -243,7 +244,7 @@ class DDTreeModelRunnerMixin:
                 req_rows=tree_rows_t.to(i32),
                 q_start=tree_q_start_t.to(i32),
                 num_nodes=tree_nodes_t.to(i32),
-                ctx_len=tree_ctx_len_t.to(i32),
+                ctx_len=self.seq_lens[tree_rows_t] - tree_nodes_t.to(i32),
                 parents=parents_t[tree_rows_t],
                 max_depth=max_depth,
                 req_rows_cpu=tree_rows.tolist(),
@@ -304,6 +305,8 @@ class DDTreeModelRunnerMixin:
             super()._update_states_after_model_execute(
                 output_token_ids, scheduler_output
             )
+        # This step's proposal (if the drafter runs) replaces the trees.
+        self._last_trees, self._tree_rows = None, {}
         plan, self._plan = self._plan, None
         walk = self.rejection_sampler.last_walk
         self.rejection_sampler.last_walk = None
@@ -386,18 +389,22 @@ class DDTreeModelRunnerMixin:
             for name in group.layer_names:
                 commit_gdn_layer(layers[name], window, path, accepted + 1)
 
-    # -- step 7: keep the proposed trees -----------------------------------
+    # -- step 7: keep the proposed trees, cut their budgets -----------------
+
+    def propose_draft_token_ids(self, *args, **kwargs):
+        draft_token_ids = super().propose_draft_token_ids(*args, **kwargs)
+        # The drafter's batch rows are the input batch's.
+        self._last_trees, self.drafter.last_trees = self.drafter.last_trees, None
+        self._tree_rows = dict(self.input_batch.req_id_to_index)
+        return draft_token_ids
 
     def take_draft_token_ids(self):
+        """The drafts for the scheduler (synchronous scheduling only), each
+        cut to its request's budget, or to the adaptive one."""
         draft = super().take_draft_token_ids()
-        trees, self.drafter.last_trees = self.drafter.last_trees, None
-        # The scheduler's next drafts are this proposal's (or none): only its
-        # trees describe them.
-        self._last_trees, self._tree_rows = None, {}
+        trees = self._last_trees
         if draft is None or trees is None:
             return draft
-        self._last_trees = trees
-        self._tree_rows = {req_id: row for row, req_id in enumerate(draft.req_ids)}
         caps = np.array(
             [self._request_budget(req_id) for req_id in draft.req_ids], np.int64
         )

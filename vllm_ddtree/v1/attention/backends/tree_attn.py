@@ -35,7 +35,9 @@ class TreeAttentionInfo:
     """The tree-verify requests of one batch (``R`` of them).
 
     Tensors live on the model's device; ``*_cpu`` twins are host lists for
-    the CPU path, which loops over requests.
+    the CPU path, which loops over requests. ``ctx_len_cpu`` may exceed
+    ``ctx_len`` (under async scheduling the host assumes the last step
+    accepted every draft): it only bounds the context lengths.
 
     Attributes:
         req_rows: ``[R]`` batch row (request index) of each tree request.
