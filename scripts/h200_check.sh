@@ -18,7 +18,9 @@
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
 #   bash scripts/h200_check.sh e2e-8b-flash  # + DDTree with ddtree.flash_context, same table (~4 min)
 #   bash scripts/h200_check.sh e2e-8b-v1  # + no-spec and DFlash on the V1 runner, same table (~5 min)
-#   bash scripts/h200_check.sh e2e-8b-async  # no-spec / DFlash / DDTree, all async-scheduled (~8 min)
+#   bash scripts/h200_check.sh e2e-8b-async  # no-spec / DFlash / DDTree, all async-scheduled (~8 min;
+#                                          # E2E_BATCHES=1 for batch 1 only)
+#   bash scripts/h200_check.sh e2e-8b-async-flash  # + DDTree with ddtree.flash_context, same table (~4 min)
 #   bash scripts/h200_check.sh e2e-hybrid  # dummy Qwen3.5-9B-like hybrid: no-spec / DFlash / DDTree (~9 min)
 #   bash scripts/h200_check.sh profile # DDTree B=64 and DFlash (V1) steps of dummy Qwen3-8B profiled (~9 min)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
@@ -30,7 +32,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|async|graphs|sampling|serve|soak|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-hybrid|profile|train|e2e}
+mode=${1:?usage: h200_check.sh tests|engines|async|graphs|sampling|serve|soak|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|profile|train|e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -139,8 +141,8 @@ soak)
     --out "$out/soak-h200.json"
   ;;
 hybrid)
-  engine_test hybrid-engine 380 tests/gpu/test_ddtree_hybrid_gpu.py greedy
-  engine_test hybrid-prefix-caching 200 tests/gpu/test_ddtree_hybrid_gpu.py \
+  engine_test hybrid-engine 390 tests/gpu/test_ddtree_hybrid_gpu.py greedy
+  engine_test hybrid-prefix-caching 180 tests/gpu/test_ddtree_hybrid_gpu.py \
     prefix_caching
   ;;
 kernels)
@@ -175,11 +177,15 @@ e2e-8b | e2e-8b-flash | e2e-8b-v1)
   cp /tmp/e2e-8b/results.json "$out/e2e-8b.json"
   cp /tmp/e2e-8b/table.md "$out/e2e-8b.md"
   ;;
-e2e-8b-async)
-  # The same three methods, every one under vLLM's async scheduling (a
-  # table of its own: ratios compare like with like).
-  step e2e-8b-async 590 "${e2e_8b[@]}" --methods nospec,dflash,ddtree \
-    --async-scheduling --out /tmp/e2e-8b-async
+e2e-8b-async | e2e-8b-async-flash)
+  # The same methods, every one under vLLM's async scheduling (a table of
+  # its own: ratios compare like with like).
+  case $mode in
+  e2e-8b-async) step e2e-8b-async 590 "${e2e_8b[@]}" --methods nospec,dflash,ddtree \
+    --async-scheduling --out /tmp/e2e-8b-async ${E2E_BATCHES:+--batch-sizes $E2E_BATCHES} ;;
+  e2e-8b-async-flash) step e2e-8b-async-flash 300 "${e2e_8b[@]}" --methods ddtree \
+    --flash-context --async-scheduling --out /tmp/e2e-8b-async ;;
+  esac
   cp /tmp/e2e-8b-async/results.json "$out/e2e-8b-async.json"
   cp /tmp/e2e-8b-async/table.md "$out/e2e-8b-async.md"
   ;;

