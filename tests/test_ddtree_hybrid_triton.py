@@ -7,8 +7,9 @@ tests feed both the same synthetic inputs; this test feeds the Triton
 kernels what an engine feeds them: the CPU engine's GDN metadata, state
 indices and cache views, with the kernels run by Triton's interpreter (in a
 subprocess, since the interpreter must be on before Triton is imported).
-Greedy DDTree must still equal no-spec, at a batch size where every request
-but the first depends on per-request indexing (the H200 divergence found on
+Greedy DDTree must still equal no-spec, with synchronous and with async
+scheduling, at a batch size where every request but the first depends on
+per-request indexing (the H200 divergence found on
 2026-12-03 was such a bug: it reproduces here token for token).
 """
 
@@ -31,6 +32,7 @@ from tests.test_ddtree_hybrid import (
     no_spec_reference,
 )
 from tests.utils import (
+    cpu_async_scheduling,
     ddtree_config,
     interpreted_case,
     interpreter_fixture,
@@ -72,18 +74,29 @@ def _worker() -> None:
                 tree_gdn_attn, "_tree_ops", lambda device: triton_tree_gdn
             ),
         ):
-            llm = make_llm(target, speculative_config=spec, **ENGINE_ARGS)
-            got = _generate(llm, prompts, len(prompts), MAX_TOKENS)
-            shutdown_llm(llm)
-    print_case("engine", {"reference": reference, "ddtree": got})
+            got = {}
+            for scheduling in ("sync", "async"):
+                with cpu_async_scheduling():
+                    llm = make_llm(
+                        target,
+                        speculative_config=spec,
+                        async_scheduling=scheduling == "async",
+                        **ENGINE_ARGS,
+                    )
+                got[scheduling] = _generate(llm, prompts, len(prompts), MAX_TOKENS)
+                shutdown_llm(llm)
+    print_case("engine", {"reference": reference, **got})
 
 
 interp_results = interpreter_fixture(__file__, timeout=1200)
 
 
-def test_triton_gdn_kernels_in_the_cpu_engine(interp_results):
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_triton_gdn_kernels_in_the_cpu_engine(interp_results, scheduling):
     rec = interpreted_case(interp_results, "engine")
-    for i, (want, have) in enumerate(zip(rec["reference"], rec["ddtree"], strict=True)):
+    for i, (want, have) in enumerate(
+        zip(rec["reference"], rec[scheduling], strict=True)
+    ):
         assert have[: len(want)] == want, f"prompt {i}: {want} vs {have}"
 
 
