@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """DDTree on a CUDA GPU: greedy output equals no-spec (FlashAttention + the
 Triton tree pass), with the oracle drafter so that trees accept, eager and
-with CUDA graphs, over two KV block sizes; plus stock DFlash as the baseline
-that must keep working with the plugin installed.
+with CUDA graphs, over two KV block sizes, under async (vLLM's default for
+fixed budgets on a GPU) and synchronous scheduling; plus stock DFlash as the
+baseline that must keep working with the plugin installed.
 
 Run on the device machine: ``python -m pytest tests/gpu -q``.
 """
