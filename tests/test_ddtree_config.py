@@ -46,6 +46,10 @@ def _spec(**overrides):
         ({"disable_padded_drafter_batch": True}, "'disable_padded_drafter_batch'"),
         ({"rejection_sample_method": "synthetic"}, "'rejection_sample_method'"),
         ({"draft_sample_method": "probabilistic"}, "'draft_sample_method'"),
+        (
+            {"num_speculative_tokens_per_batch_size": [(1, 8, 4)]},
+            "'num_speculative_tokens_per_batch_size'.*adaptive_budget",
+        ),
     ],
 )
 def test_bad_speculative_config_names_the_field(overrides, field):

@@ -75,6 +75,11 @@ _CHAIN_ONLY_OPTIONS = {
     "draft_sample_method": ("greedy", "trees are built from draft log-probs"),
     "synthetic_acceptance_rates": (None, "trees are verified by a tree walk"),
     "use_local_argmax_reduction": (False, "trees need the top-B tokens"),
+    "num_speculative_tokens_per_batch_size": (
+        None,
+        "trees are sized per step by ddtree.adaptive_budget (from a latency "
+        "model of the target)",
+    ),
 }
 
 
