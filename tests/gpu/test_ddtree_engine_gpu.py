@@ -213,3 +213,45 @@ def test_adaptive_budget_measures_full_graphs(fixtures, expected):
             assert _generate(llm) == expected
         finally:
             shutdown_llm(llm)
+
+
+def test_async_step_parts_never_wait_for_the_gpu(fixtures, expected, monkeypatch):
+    """Under async scheduling DDTree's own parts of a step (verify plan, tree
+    walk, KV commit, drafting and tree build) must not make the host wait for
+    the GPU: each runs under ``torch.cuda.set_sync_debug_mode("error")``,
+    which raises at any synchronizing call (``.item()``, ``.cpu()``, a
+    device-to-host copy, a boolean-mask index). The random drafter keeps the
+    run free of the oracle's own host reads."""
+    from vllm_ddtree.v1.sample.tree_rejection_sampler import TreeRejectionSampler
+    from vllm_ddtree.v1.spec_decode.ddtree_proposer import DDTreeProposer
+    from vllm_ddtree.v1.worker.ddtree_model_runner import DDTreeModelRunnerMixin
+
+    checked: list[str] = []
+
+    def strict(owner: type, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                result = inner(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            checked.append(name)
+            return result
+
+        monkeypatch.setattr(owner, name, wrapped)
+
+    strict(DDTreeModelRunnerMixin, "_plan_verify")
+    strict(DDTreeModelRunnerMixin, "_update_states_after_model_execute")
+    strict(DDTreeProposer, "propose")
+    strict(TreeRejectionSampler, "forward")
+    spec = ddtree_config(fixtures.dense_drafter, 16)
+    llm = _engine(fixtures.dense_target, False, spec=spec, async_scheduling=True)
+    try:
+        assert _generate(llm) == expected
+    finally:
+        shutdown_llm(llm)
+    for name in ("_plan_verify", "_update_states_after_model_execute", "propose"):
+        assert name in checked, name
+    assert "forward" in checked
