@@ -523,11 +523,15 @@ def main(argv: list[str] | None = None) -> None:
 
     # The last step verifies the widest tree (1 + B tokens) and then drafts
     # (1 + depth queries): vLLM skips the drafter when those would not fit.
+    # Under async scheduling the host's lengths also count the last step's
+    # rejected drafts (up to B more), and the drafter check and the
+    # scheduler's cut at max_model_len use them.
+    widest = max([*args.budgets, DFLASH_DRAFTS])
     needed = (
         args.prompt_len
         + args.max_tokens
         + 1
-        + max([*args.budgets, DFLASH_DRAFTS])
+        + widest * (2 if args.async_scheduling else 1)
         + 1
         + DFLASH_DRAFTS
     )

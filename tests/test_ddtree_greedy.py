@@ -80,12 +80,27 @@ def test_greedy_equals_no_spec(fixtures, reference, budget, block_size):
 
 
 @pytest.mark.parametrize("budget", [8, 64])
-def test_greedy_equals_no_spec_with_async_scheduling(fixtures, reference, budget):
+def test_greedy_equals_no_spec_with_async_scheduling(
+    fixtures, reference, budget, monkeypatch
+):
     """vLLM's async scheduler schedules each step before the last one's walk
     is known: the runner sees context lengths that count every node as
     accepted, corrected on the device, and drafts that never reach the host.
     Requests of different lengths finish at different steps, so rows move
-    between steps too."""
+    between steps too. Every verified draft must still be found as a tree
+    (a lost tree would be verified as a chain: still lossless, so only this
+    check would notice)."""
+    from vllm_ddtree.v1.worker.ddtree_model_runner import DDTreeModelRunnerMixin
+
+    plan_verify = DDTreeModelRunnerMixin._plan_verify
+    rows_without_tree = []
+
+    def checked_plan(self, scheduler_output, *args):
+        drafted = scheduler_output.scheduled_spec_decode_tokens
+        rows_without_tree.extend(set(drafted) - set(self._tree_rows))
+        return plan_verify(self, scheduler_output, *args)
+
+    monkeypatch.setattr(DDTreeModelRunnerMixin, "_plan_verify", checked_plan)
     prompts = _prompts()
     expected = reference[16]
     lengths = [MAX_TOKENS - 5 * (i % 7) for i in range(NUM_PROMPTS)]
@@ -116,4 +131,5 @@ def test_greedy_equals_no_spec_with_async_scheduling(fixtures, reference, budget
         drafts = metric(llm, "vllm:spec_decode_num_drafts")
         accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
         shutdown_llm(llm)
+    assert not rows_without_tree
     assert accepted / drafts > 1.2, accepted / drafts

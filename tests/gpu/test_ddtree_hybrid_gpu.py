@@ -34,9 +34,6 @@ def _engine(model, enforce_eager: bool, spec=None, **kwargs) -> LLM:
         max_num_seqs=8,
         max_num_batched_tokens=256,
         enforce_eager=enforce_eager,
-        # Piecewise CUDA graphs without Inductor: same graph capture and
-        # replay, a fraction of the compile time.
-        compilation_config=None if enforce_eager else {"backend": "eager"},
         gpu_memory_utilization=0.3,
         # The default FlashInfer GDN prefill needs CuTe-DSL.
         additional_config={"gdn_prefill_backend": "triton"},
