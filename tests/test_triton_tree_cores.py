@@ -176,12 +176,14 @@ def _worker_compile_variants() -> None:
 
     cpu = torch.device("cpu")
     try:
-        compile_variants(cpu, budget=64, max_depth=15, top_k=8, force_spine=True)
+        walks = compile_variants(
+            cpu, budget=64, max_depth=15, top_k=8, force_spine=True
+        )
         cache = torch.zeros(4, 16, 2, 16)
         # Block 0 for every position of the warm-up rows (context 32 + nodes).
         block_table = torch.zeros(1, 19, dtype=torch.int32)
         ran = attention_variants(cache, cache, block_table, 4, max_nodes=260)
-        res = {"attention_variants": sorted(ran)}
+        res = {"attention_variants": sorted(ran), "walk_variants": walks}
     except Exception as exc:
         res = {"error": repr(exc)}
     print_case("compile-variants", res)
@@ -211,6 +213,9 @@ def test_compile_variants_interpreted(interp_results):
     # rows through 512 rows, wide tiles past them.
     tiles = [16, 32, 64, 256]
     assert rec["attention_variants"] == [[m, s] for m in tiles for s in (False, True)]
+    # (node tile, depth tile): trees (depth 15) in both node tiles, and rows
+    # verified as chains, whose depth bound is their width - 1 (up to 64).
+    assert rec["walk_variants"] == [[64, 16], [64, 32], [64, 64], [128, 16], [128, 128]]
 
 
 def test_tie_heavy_inputs_tie():

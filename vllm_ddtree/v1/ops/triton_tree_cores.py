@@ -93,6 +93,10 @@ def _nodes_tile(num_nodes: int) -> int:
     return max(_MIN_NODES_TILE, triton.next_power_of_2(num_nodes))
 
 
+def _depth_tile(max_depth: int) -> int:
+    return max(_MIN_DEPTH_TILE, triton.next_power_of_2(max_depth + 1))
+
+
 def walk_trees_triton(
     node_tokens: torch.Tensor,
     parents: torch.Tensor,
@@ -129,7 +133,7 @@ def walk_trees_triton(
             out.stride(0) if out is not None else 0,
             max_depth,
             NP=_nodes_tile(n),
-            DP=max(_MIN_DEPTH_TILE, triton.next_power_of_2(max_depth + 1)),
+            DP=_depth_tile(max_depth),
             WRITE_OUT=out is not None,
         )
     return WalkResult(path=path, num_accepted=num_accepted, bonus=bonus)
@@ -478,12 +482,14 @@ def build_trees_triton(
 
 def compile_variants(
     device: torch.device, budget: int, max_depth: int, top_k: int, force_spine: bool
-) -> None:
+) -> list[tuple[int, int]]:
     """Launch every variant of the three kernels that an engine with this
     budget can use (the build; the walk and the masks for every node-tile
-    size up to ``budget + 1`` nodes), so that Triton compiles them at
-    start-up rather than mid-serving. Inputs are dummies with the dtypes of
-    the real calls."""
+    size up to ``budget + 1`` nodes, the walk also for every depth tile a
+    batch verified as a chain reaches: its depth bound is its width - 1),
+    so that Triton compiles them at start-up rather than mid-serving.
+    Inputs are dummies with the dtypes of the real calls. Returns the walk's
+    (node tile, depth tile) variants."""
     as_long = dict(dtype=torch.long, device=device)
     build_trees_triton(
         torch.zeros(1, max_depth, top_k, device=device),
@@ -491,18 +497,24 @@ def compile_variants(
         budget,
         force_spine,
     )
-    widths = {_nodes_tile(w): w for w in range(1, budget + 2)}
-    for width in widths.values():
-        parents = torch.arange(-1, width - 1, **as_long)[None]
+    walks = {
+        (_nodes_tile(w), _depth_tile(d)): (w, d)
+        for w in range(1, budget + 2)
+        for d in (max_depth, w - 1)
+    }
+    for width, depth in walks.values():
         zeros = torch.zeros(1, width, **as_long)
         walk_trees_triton(
             zeros,
-            parents,
+            torch.arange(-1, width - 1, **as_long)[None],
             torch.full((1,), width, **as_long),
             zeros,
-            max_depth,
+            depth,
             torch.zeros(1, width + 1, dtype=torch.int32, device=device),
         )
+    widths = {_nodes_tile(w): w for w in range(1, budget + 2)}
+    for width in widths.values():
+        parents = torch.arange(-1, width - 1, **as_long)[None]
         as_i32 = dict(dtype=torch.int32, device=device)
         packed_ancestor_mask_triton(
             parents,
@@ -511,3 +523,4 @@ def compile_variants(
             width,
             max_depth,
         )
+    return sorted(walks)
