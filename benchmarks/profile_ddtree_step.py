@@ -126,6 +126,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=768)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--load-format", default="dummy")
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="vLLM's async scheduling (host phases then overlap the GPU's)",
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -149,12 +154,16 @@ def main() -> None:
         load_format=args.load_format,
         skip_tokenizer_init=args.load_format == "dummy",
         # The last step verifies 1 + B nodes and then drafts 1 + 15
-        # positions: vLLM skips the drafter when those would not fit.
-        max_model_len=args.prompt_len + args.max_tokens + max(args.budget, 16) + 19,
+        # positions: vLLM skips the drafter when those would not fit (under
+        # async scheduling counting up to B rejected nodes more).
+        max_model_len=args.prompt_len
+        + args.max_tokens
+        + max(args.budget, 16) * (2 if args.async_scheduling else 1)
+        + 19,
         max_num_seqs=max(args.batch, 4),
         gpu_memory_utilization=0.85,
         speculative_config=spec,
-        async_scheduling=False,
+        async_scheduling=args.async_scheduling,
     )
     length = range(args.prompt_len)
     prompts = [
@@ -176,6 +185,7 @@ def main() -> None:
         "method": args.method,
         "budget": args.budget,
         "batch": args.batch,
+        "async_scheduling": args.async_scheduling,
         "seconds": seconds,
         "ms_per_step": 1e3 * seconds / steps,
     }

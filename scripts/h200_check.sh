@@ -81,8 +81,9 @@ kernel_tests() {
 }
 
 profile_8b() {  # DDTree B=64, then stock DFlash on the same (V1) runner, profiled
+  # PROFILE_ASYNC=1: both under async scheduling.
   local common=(--target benchmarks/configs/qwen3-8b
-    --drafter benchmarks/configs/qwen3-8b-dflash)
+    --drafter benchmarks/configs/qwen3-8b-dflash ${PROFILE_ASYNC:+--async-scheduling})
   step profile-8b 330 python3 benchmarks/profile_ddtree_step.py --out /tmp/prof-8b/ddtree \
     "${common[@]}" --budget 64
   VLLM_USE_V2_MODEL_RUNNER=0 step profile-8b-dflash-v1 220 python3 \
