@@ -17,6 +17,7 @@ from tests.oracle_drafter import Oracle, oracle_drafter
 from tests.utils import (
     cpu_async_scheduling,
     ddtree_config,
+    drafts_verified_without_tree,
     make_llm,
     metric,
     shutdown_llm,
@@ -80,9 +81,7 @@ def test_greedy_equals_no_spec(fixtures, reference, budget, block_size):
 
 
 @pytest.mark.parametrize("budget", [8, 64])
-def test_greedy_equals_no_spec_with_async_scheduling(
-    fixtures, reference, budget, monkeypatch
-):
+def test_greedy_equals_no_spec_with_async_scheduling(fixtures, reference, budget):
     """vLLM's async scheduler schedules each step before the last one's walk
     is known: the runner sees context lengths that count every node as
     accepted, corrected on the device, and drafts that never reach the host.
@@ -90,23 +89,16 @@ def test_greedy_equals_no_spec_with_async_scheduling(
     between steps too. Every verified draft must still be found as a tree
     (a lost tree would be verified as a chain: still lossless, so only this
     check would notice)."""
-    from vllm_ddtree.v1.worker.ddtree_model_runner import DDTreeModelRunnerMixin
-
-    plan_verify = DDTreeModelRunnerMixin._plan_verify
-    rows_without_tree = []
-
-    def checked_plan(self, scheduler_output, *args):
-        drafted = scheduler_output.scheduled_spec_decode_tokens
-        rows_without_tree.extend(set(drafted) - set(self._tree_rows))
-        return plan_verify(self, scheduler_output, *args)
-
-    monkeypatch.setattr(DDTreeModelRunnerMixin, "_plan_verify", checked_plan)
     prompts = _prompts()
     expected = reference[16]
     lengths = [MAX_TOKENS - 5 * (i % 7) for i in range(NUM_PROMPTS)]
     oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, expected, strict=True)})
     spec = ddtree_config(fixtures.dense_drafter, budget, adaptive_budget=False)
-    with oracle_drafter(oracle), cpu_async_scheduling():
+    with (
+        oracle_drafter(oracle),
+        cpu_async_scheduling(),
+        drafts_verified_without_tree() as rows_without_tree,
+    ):
         llm = make_llm(
             fixtures.dense_target,
             block_size=16,

@@ -107,6 +107,29 @@ def cpu_async_scheduling() -> Iterator[None]:
         CpuPlatform.check_and_update_config = original
 
 
+@contextmanager
+def drafts_verified_without_tree() -> Iterator[list[str]]:
+    """Collect, for every verify step of DDTree engines made in this
+    process, the ids of requests whose drafts had no tree from the last
+    proposal. Such drafts are verified as a chain: still lossless, so
+    output comparisons cannot notice a lost tree; this list can."""
+    from vllm_ddtree.v1.worker.ddtree_model_runner import DDTreeModelRunnerMixin
+
+    plan_verify = DDTreeModelRunnerMixin._plan_verify
+    missing: list[str] = []
+
+    def checked_plan(self, scheduler_output, *args):
+        drafted = scheduler_output.scheduled_spec_decode_tokens
+        missing.extend(set(drafted) - set(self._tree_rows))
+        return plan_verify(self, scheduler_output, *args)
+
+    DDTreeModelRunnerMixin._plan_verify = checked_plan
+    try:
+        yield missing
+    finally:
+        DDTreeModelRunnerMixin._plan_verify = plan_verify
+
+
 def dflash_config(drafter: str | Path, num_speculative_tokens: int = 15) -> dict:
     return {
         "method": "dflash",

@@ -15,7 +15,14 @@ import torch
 from vllm import LLM, SamplingParams
 
 from tests.oracle_drafter import Oracle, oracle_drafter
-from tests.utils import ddtree_config, dflash_config, make_llm, metric, shutdown_llm
+from tests.utils import (
+    ddtree_config,
+    dflash_config,
+    drafts_verified_without_tree,
+    make_llm,
+    metric,
+    shutdown_llm,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,7 +92,7 @@ def test_greedy_equals_no_spec_on_gpu(
 ):
     oracle = Oracle({tuple(p): p + o for p, o in zip(PROMPTS, expected, strict=True)})
     spec = ddtree_config(fixtures.dense_drafter, budget)
-    with oracle_drafter(oracle):
+    with oracle_drafter(oracle), drafts_verified_without_tree() as without_tree:
         llm = _engine(
             fixtures.dense_target,
             enforce_eager,
@@ -108,6 +115,7 @@ def test_greedy_equals_no_spec_on_gpu(
     # The oracle makes trees accept several tokens per step; otherwise the
     # compaction and depth positions would go untested.
     assert accepted > len(PROMPTS) * MAX_TOKENS // 4
+    assert not without_tree
 
 
 def test_small_max_num_seqs_with_cuda_graphs(fixtures, expected):
