@@ -262,4 +262,4 @@ def test_async_step_parts_never_wait_for_the_gpu(fixtures, expected, monkeypatch
         shutdown_llm(llm)
     for name in ("_plan_verify", "_update_states_after_model_execute", "propose"):
         assert name in checked, name
-    assert "forward" in checked
+    assert "forward" in checked  # the tree sampler's
