@@ -92,21 +92,34 @@ class TreeAttentionInfo:
     def packed_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The ancestor masks bit-packed for the Triton kernel, with each
         request's first mask row (see :func:`pack_ancestor_mask`). Built on
-        first use, once per step; on a GPU in one launch from ``parents``."""
+        first use, once per step."""
         if self.packed is not None:
             return self.packed
-        if not self.parents.is_cuda:
-            return pack_ancestor_mask(self.mask, self.num_nodes_cpu)
-        # Imported here: only GPU processes need Triton.
-        from vllm_ddtree.v1.ops.triton_tree_cores import packed_ancestor_mask_triton
-
         counts = np.asarray(self.num_nodes_cpu)
         starts = torch.from_numpy((np.cumsum(counts) - counts).astype(np.int32))
         starts = starts.to(self.parents.device, non_blocking=True)
-        packed = packed_ancestor_mask_triton(
-            self.parents, self.num_nodes, starts, int(counts.sum()), self.max_depth
+        return self.pack_mask(starts), starts
+
+    def pack_mask(
+        self, row_start: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Bit-pack the ancestor masks, request ``r``'s from row
+        ``row_start[r]`` (which must be the running sum of the node counts),
+        into ``out`` when given. On a GPU in one launch from ``parents``."""
+        if not self.parents.is_cuda:
+            packed, _ = pack_ancestor_mask(self.mask, self.num_nodes_cpu)
+            return packed if out is None else out.copy_(packed)
+        # Imported here: only GPU processes need Triton.
+        from vllm_ddtree.v1.ops.triton_tree_cores import packed_ancestor_mask_triton
+
+        return packed_ancestor_mask_triton(
+            self.parents,
+            self.num_nodes,
+            row_start,
+            sum(self.num_nodes_cpu),
+            self.max_depth,
+            out=out,
         )
-        return packed, starts
 
 
 _current_tree: TreeAttentionInfo | None = None
@@ -211,24 +224,7 @@ class UniformTreeBuffers:
             # The tree's rows are the batch's first requests, in order (graph
             # padding requests after them), so request r's masks are rows
             # r * n onwards in its packing as in the buffer.
-            rows = self.mask[: num_trees * n]
-            if tree.parents.is_cuda:
-                # Imported here: only GPU processes need Triton. One launch
-                # straight into the buffer the graph reads.
-                from vllm_ddtree.v1.ops.triton_tree_cores import (
-                    packed_ancestor_mask_triton,
-                )
-
-                packed_ancestor_mask_triton(
-                    tree.parents,
-                    self.node_counts[:num_trees],
-                    self.q_start[:num_trees],
-                    num_trees * n,
-                    tree.max_depth,
-                    out=rows,
-                )
-            else:
-                rows.copy_(tree.packed_mask[0])
+            tree.pack_mask(self.q_start[:num_trees], out=self.mask[: num_trees * n])
             parents, max_depth = tree.parents, tree.max_depth
         return TreeAttentionInfo(
             req_rows=self.req_rows[:num_reqs],
