@@ -366,12 +366,16 @@ def _worker() -> None:
         except Exception as exc:
             res = {"error": repr(exc)}
         print_case(name, res)
-    for name, dtype in TREE_ONLY_CASES.items():
-        try:
-            res = _check_tree_only(tta.tree_attention, getattr(torch, dtype))
-        except Exception as exc:
-            res = {"error": repr(exc)}
-        print_case(name, res)
+    for cases, check in (
+        (TREE_ONLY_CASES, _check_tree_only),
+        (SEEDED_CASES, _check_seeded),
+    ):
+        for name, dtype in cases.items():
+            try:
+                res = check(tta.tree_attention, getattr(torch, dtype))
+            except Exception as exc:
+                res = {"error": repr(exc)}
+            print_case(name, res)
 
 
 # Tree-only pass (the context is left to another kernel): rows' contexts are
@@ -417,10 +421,46 @@ def _check_tree_only(
     }
 
 
+# Tree pass folded into a context pass's output (``context_lse``): the
+# context pass is the reference with every tree bit cleared, given in
+# FlashAttention's form (LSE ``[Hq, T]``, +inf where a row has no context,
+# whose output rows are then left poisoned: they must not be read).
+SEEDED_CASES = {"seeded-fp32": "float32", "seeded-bf16": "bfloat16"}
+SEEDED_ROWS = [(9, 32), (33, 20), (1, 48), (17, 0), (65, 5)]
+
+
+def _check_seeded(
+    attn_fn, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> dict:
+    batch = make_batch(
+        SEEDED_ROWS, page=16, num_q_heads=4, num_kv_heads=2, head_dim=32,
+        dtype=dtype, device=device, seed=11,
+    )  # fmt: skip
+    no_tree = TreeBatch(
+        **{**batch.__dict__, "tree_mask": torch.zeros_like(batch.tree_mask)}
+    )
+    out = batch.poisoned_out()
+    ctx_lse = tree_attention_reference(*no_tree.args(out), True)
+    ctx_lse = ctx_lse.T.contiguous().nan_to_num(nan=float("inf"), neginf=float("inf"))
+    attn_fn(*batch.args(out), context_lse=ctx_lse)
+    ref = batch.poisoned_out()
+    tree_attention_reference(*batch.args(ref))
+    idx = torch.tensor(batch.tree_tokens, device=device)
+    untouched = torch.ones(out.shape[0], dtype=torch.bool, device=device)
+    untouched[idx] = False
+    o, r = out[idx].double(), ref[idx].double()
+    return {
+        "finite": bool(torch.isfinite(o).all()),
+        "untouched_nan": bool(torch.isnan(out[untouched]).all()),
+        "rel_err": float((o - r).norm() / r.norm()),
+        "tol": TOL[dtype],
+    }
+
+
 interp_results = interpreter_fixture(__file__, timeout=600)
 
 
-@pytest.mark.parametrize("name", [*CASES, *TREE_ONLY_CASES])
+@pytest.mark.parametrize("name", [*CASES, *TREE_ONLY_CASES, *SEEDED_CASES])
 def test_triton_kernel_interpreted(interp_results, name):
     rec = interpreted_case(interp_results, name)
     assert rec["finite"], rec

@@ -3,17 +3,17 @@
 
 The alternative to the fused kernel of :mod:`.triton_tree_attention`: the
 context, which holds nearly all of the bytes, goes through vLLM's
-FlashAttention (FA3 on Hopper) without a causal mask, returning its
-log-sum-exp; the Triton kernel attends each node to its ancestors only
-(``tree_only``); vLLM's ``merge_attn_states`` combines the two by
-log-sum-exp. Same pattern as vLLM's decode-context-parallel path.
+FlashAttention (FA3 on Hopper) without a causal mask, writing the output and
+its log-sum-exp; the Triton kernel then folds each node's ancestors into
+that softmax state in place (``context_lse``), which is the log-sum-exp merge
+of the two passes without a third kernel or scratch outputs.
 
-Three launches instead of one, but the context runs at FlashAttention speed:
-on the H200 (Qwen3-8B heads, bench_tree_attention.py, batch 1/4/16, 1K/4K
-contexts, 17/65 nodes) it beat the fused kernel in 10 of 12 shapes, by up to
-1.8x (batch 16, 4K, 65 nodes: 0.25 vs 0.44 ms); the fused kernel won at
-batch 1 with 17 nodes over 1K (0.019 vs 0.027 ms) and batch 4 with 65 nodes
-over 1K (0.057 vs 0.059 ms).
+Measured on the H200 with a separate merge (vLLM's ``merge_attn_states``;
+Qwen3-8B heads, bench_tree_attention.py, batch 1/4/16, 1K/4K contexts,
+17/65 nodes) it beat the fused kernel in 10 of 12 shapes, by up to 1.8x
+(batch 16, 4K, 65 nodes: 0.25 vs 0.44 ms); the fused kernel won at batch 1
+with 17 nodes over 1K (0.019 vs 0.027 ms) and batch 4 with 65 nodes over 1K
+(0.057 vs 0.059 ms).
 """
 
 from __future__ import annotations
@@ -53,21 +53,13 @@ def flash_context_tree_attention(
     Writes ``out``.
     """
     # Imported here: vLLM's FlashAttention extension exists on CUDA builds only.
-    from vllm.v1.attention.ops.merge_attn_states import merge_attn_states
     from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-    num_tokens, num_heads, _ = query.shape
-    ctx_out = torch.empty_like(out)
-    tree_out = torch.empty_like(out)
-    # vLLM's LSE layout is [heads, tokens]; the tree pass writes its transpose.
-    tree_lse = torch.empty(
-        num_heads, num_tokens, dtype=torch.float32, device=query.device
-    )
     _, ctx_lse = flash_attn_varlen_func(
         q=query,
         k=key_cache,
         v=value_cache,
-        out=ctx_out,
+        out=out,
         cu_seqlens_q=cu_seqlens_q,
         max_seqlen_q=max_nodes,
         seqused_k=ctx_len,
@@ -83,7 +75,7 @@ def flash_context_tree_attention(
         query,
         key_cache,
         value_cache,
-        tree_out,
+        out,
         block_table,
         q_start,
         num_nodes,
@@ -92,7 +84,5 @@ def flash_context_tree_attention(
         tree_mask,
         softmax_scale,
         max_nodes,
-        lse=tree_lse.T,
-        tree_only=True,
+        context_lse=ctx_lse,
     )
-    merge_attn_states(out, ctx_out, ctx_lse, tree_out, tree_lse)

@@ -169,7 +169,15 @@ def _attend_tile(
 # Arguments that change from step to step (split count, tree-size dependent
 # strides) are not specialised on: Triton would compile a variant per value
 # class in the middle of serving.
-@triton.jit(do_not_specialize=["num_splits", "stride_tmr", "stride_ps", "stride_lps"])
+@triton.jit(
+    do_not_specialize=[
+        "num_splits",
+        "stride_clh",
+        "stride_tmr",
+        "stride_ps",
+        "stride_lps",
+    ]
+)
 def _tree_attn_fwd_kernel(
     Q,
     K,
@@ -178,6 +186,7 @@ def _tree_attn_fwd_kernel(
     LSE,
     O_PART,
     LSE_PART,
+    CTX_LSE,
     BLOCK_TABLE,
     Q_START,
     NUM_NODES,
@@ -203,6 +212,8 @@ def _tree_attn_fwd_kernel(
     stride_od,
     stride_lt,
     stride_lh,
+    stride_clh,
+    stride_clt,
     stride_btr,
     stride_btc,
     stride_tmr,
@@ -222,6 +233,7 @@ def _tree_attn_fwd_kernel(
     SPLIT: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     TREE_ONLY: tl.constexpr,
+    SEEDED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
@@ -260,11 +272,30 @@ def _tree_attn_fwd_kernel(
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
 
+    o_ptrs = (
+        Out
+        + (tok * stride_ot + head.to(tl.int64) * stride_oh)[:, None]
+        + offs_d[None, :] * stride_od
+    )
     # A finite "minus infinity" for the running max, so that fully masked
     # tiles never compute ``-inf - -inf``.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if SEEDED:
+        # ``Out`` holds the context's normalised attention and CTX_LSE its
+        # log-sum-exp: that is the softmax state (max = LSE, sum = 1) the
+        # context loop would have left, so the tree keys continue from it.
+        # A non-finite LSE (FlashAttention's +inf, or -inf) means no context.
+        c_lse = tl.load(
+            CTX_LSE + head.to(tl.int64) * stride_clh + tok * stride_clt,
+            mask=row_valid,
+            other=float("inf"),
+        )
+        has_ctx = tl.abs(c_lse) < float("inf")
+        m_i = tl.where(has_ctx, c_lse * 1.4426950408889634, m_i)  # log2(e)
+        l_i = tl.where(has_ctx, 1.0, l_i)
+        acc = tl.load(o_ptrs, mask=io_mask & has_ctx[:, None], other=0.0).to(tl.float32)
 
     # Context positions in whole tiles need no mask.  Split ``split`` owns
     # the whole tiles of [split * chunk, (split + 1) * chunk); the split that
@@ -320,11 +351,6 @@ def _tree_attn_fwd_kernel(
         lp_ptrs = LSE_PART + split.to(tl.int64) * stride_lps + t_idx * stride_lpt + head
         tl.store(lp_ptrs, lse2, mask=row_valid)
     else:
-        o_ptrs = (
-            Out
-            + (tok * stride_ot + head.to(tl.int64) * stride_oh)[:, None]
-            + offs_d[None, :] * stride_od
-        )
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=io_mask)
         if WRITE_LSE:
             l_ptrs = LSE + tok * stride_lt + head.to(tl.int64) * stride_lh
@@ -480,6 +506,7 @@ def tree_attention(
     num_splits: int | None = None,
     lse: torch.Tensor | None = None,
     tree_only: bool = False,
+    context_lse: torch.Tensor | None = None,
     block_m: int | None = None,
 ) -> torch.Tensor | None:
     """Tree attention over a paged KV cache; writes ``out`` in place.
@@ -521,6 +548,11 @@ def tree_attention(
         tree_only: attend to the tree nodes only, not to the context (for a
             context pass by another kernel, merged by log-sum-exp); no
             split-KV.
+        context_lse: ``[Hq, T]`` float32 natural-log LSE of a context pass
+            whose normalised output ``out`` already holds (FlashAttention's
+            layout and convention: a non-finite entry means no context).
+            The tree nodes are folded into that state in place, which merges
+            the two passes without a separate kernel (implies ``tree_only``).
         block_m: force the query tile (rows of ``(node, q head)`` pairs per
             program); default: picked from the tree size.
 
@@ -549,6 +581,8 @@ def tree_attention(
         max_nodes * group, block_d, block_m
     )
     q_tiles = triton.cdiv(max_nodes * group, block_m)
+    if context_lse is not None:
+        tree_only = True
     if tree_only:
         num_splits = 1
     elif num_splits is None:
@@ -589,6 +623,7 @@ def tree_attention(
         lse_arg,
         o_part,
         lse_part,
+        context_lse if context_lse is not None else lse_arg,
         block_table,
         q_start,
         num_nodes,
@@ -603,6 +638,7 @@ def tree_attention(
         *value_cache.stride(),
         *out.stride(),
         *lse_strides,
+        *(context_lse.stride() if context_lse is not None else (0, 0)),
         *block_table.stride(),
         *tree_mask.stride(),
         o_part.stride(0) if split else 0,
@@ -620,6 +656,7 @@ def tree_attention(
         SPLIT=split,
         WRITE_LSE=lse is not None,
         TREE_ONLY=tree_only,
+        SEEDED=context_lse is not None,
         DOT_PREC=dot_prec,
         DOT_UPCAST=_INTERPRET and query.dtype == torch.bfloat16,
         num_warps=num_warps,
