@@ -258,9 +258,9 @@ def test_tree_only_pass(dtype):
     assert res["lse_err"] < 1e-2, res
 
 
-def test_flash_context_plus_tree_only_merge():
-    """FlashAttention over the context + our tree-only pass, merged by LSE
-    (vLLM's ``merge_attn_states``), equals the fused kernel."""
+def test_flash_context_plus_tree_pass():
+    """FlashAttention over the context + our tree pass continuing its softmax
+    state (``context_lse``) equals the fused kernel."""
     pytest.importorskip("vllm.vllm_flash_attn")
     from vllm_ddtree.v1.attention.ops.flash_context_tree_attention import (
         flash_context_tree_attention,
