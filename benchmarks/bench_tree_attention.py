@@ -8,8 +8,8 @@ For each (batch, context, tree size) it times
   over the same number of query tokens arranged as a chain, on the same paged
   cache (column skipped when it cannot be imported);
 * ``fa3+tree``: the alternative design, FlashAttention non-causal over the
-  context returning its log-sum-exp, our kernel over the tree nodes only
-  (``tree_only``), and vLLM's ``merge_attn_states``; with its largest
+  context returning its log-sum-exp, then our kernel over the tree nodes
+  continuing that softmax state in place (``context_lse``); with its largest
   deviation from ``ours`` (``fa3_tree_err``);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with a
   materialised boolean mask over pre-gathered contiguous KV (gather not
@@ -293,7 +293,7 @@ def _time_fa3_tree(
     args, query, key_cache, value_cache, block_table, cu_q, num_nodes, ctx_len,
     mask_row_start, tree_mask, scale, n, ctx, ours_out,
 ) -> dict:  # fmt: skip
-    """FlashAttention over the context + the tree-only pass, merged by LSE."""
+    """FlashAttention over the context + the tree pass continuing its state."""
     merged = torch.empty_like(query)
 
     def fa3_tree():
