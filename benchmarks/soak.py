@@ -179,6 +179,16 @@ def _choice_text(choice: Any, endpoint: str, stream: bool) -> str:
     return choice.text
 
 
+def make_client(url: str, args: argparse.Namespace) -> openai.AsyncOpenAI:
+    """An OpenAI client for one server, never retrying on its own."""
+    return openai.AsyncOpenAI(
+        base_url=f"{url}/v1",
+        api_key="none",
+        timeout=args.request_timeout,
+        max_retries=0,
+    )
+
+
 async def send(client: openai.AsyncOpenAI, plan: Plan) -> Outcome:
     """Send ``plan``; never raises for server-side problems (they are
     outcomes)."""
@@ -271,12 +281,7 @@ async def load_phase(
 ) -> list[Outcome]:
     """``args.concurrency`` clients, each sending one request at a time, for
     ``seconds`` or ``max_requests`` requests; returns when all are done."""
-    client = openai.AsyncOpenAI(
-        base_url=f"{url}/v1",
-        api_key="none",
-        timeout=args.request_timeout,
-        max_retries=0,
-    )
+    client = make_client(url, args)
     deadline = time.monotonic() + seconds
     outcomes: list[Outcome] = []
     next_index = iter(range(first_index, first_index + max_requests))
@@ -301,12 +306,7 @@ async def replay_greedy(
 ) -> tuple[int, list[dict[str, Any]]]:
     """Replay finished greedy requests on ``url``; return how many, and the
     mismatches."""
-    client = openai.AsyncOpenAI(
-        base_url=f"{url}/v1",
-        api_key="none",
-        timeout=args.request_timeout,
-        max_retries=0,
-    )
+    client = make_client(url, args)
     todo = [o for o in outcomes if o.status == "ok" and o.plan.greedy]
     semaphore = asyncio.Semaphore(args.concurrency)
     mismatches: list[dict[str, Any]] = []
@@ -563,6 +563,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # The client's HTTP stack imports part of itself when the first client is
+    # made (on the H200 bundle that once failed on a missing ``truststore``):
+    # make one now, before minutes of server start-up.
+    asyncio.run(make_client("http://127.0.0.1:1", args).close())
     logs = args.log_dir
     if logs:
         logs.mkdir(parents=True, exist_ok=True)

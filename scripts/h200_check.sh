@@ -48,6 +48,14 @@ export TRITON_CACHE_AUTOTUNING=1
 if [ -f .device-cache/caches.tgz ]; then
   tar xzf .device-cache/caches.tgz -C "$HOME" || echo "could not unpack the caches"
 fi
+# Wheels the staged bundle lacks: truststore, which the openai client's
+# httpx2 imports (the soak's clients died on it, 2026-12-03). Put them in
+# .device-extra/ (git-excluded; `pip download truststore==0.10.5 --no-deps
+# -d .device-extra`) and carry it.
+if compgen -G ".device-extra/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-deps --target /tmp/site .device-extra/*.whl ||
+    echo "could not install .device-extra"
+fi
 out=${OUT:-$PWD/h200-results}
 logs=$(mktemp -d)
 mkdir -p "$out"
