@@ -205,21 +205,31 @@ def check_against_reference(
     lse = attn_fn(*batch.args(out), return_lse, **kwargs)
     ref = batch.poisoned_out()
     ref_lse = tree_attention_reference(*batch.args(ref), return_lse)
+    res = compare_tree_rows(batch, out, ref)
+    if return_lse:
+        res["lse_err"] = lse_error(batch, lse, ref_lse)
+    return res
 
+
+def compare_tree_rows(batch: TreeBatch, out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Error of ``out`` against ``ref`` over the batch's tree tokens, and
+    whether every other token of ``out`` was left alone (still NaN)."""
     idx = torch.tensor(batch.tree_tokens, dtype=torch.long, device=out.device)
     untouched = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
     untouched[idx] = False
     o, r = out[idx].double(), ref[idx].double()
-    res = {
+    return {
         "finite": bool(torch.isfinite(o).all()),
         "untouched_nan": bool(torch.isnan(out[untouched]).all()),
         "rel_err": float((o - r).norm() / r.norm().clamp_min(1e-30)),
         "tol": TOL[batch.query.dtype],
     }
-    if return_lse:
-        a, b = lse[idx].double(), ref_lse[idx].double()
-        res["lse_err"] = float((a - b).abs().max())
-    return res
+
+
+def lse_error(batch: TreeBatch, lse: torch.Tensor, ref_lse: torch.Tensor) -> float:
+    """Largest LSE difference over the batch's tree tokens."""
+    idx = batch.tree_tokens
+    return float((lse[idx].double() - ref_lse[idx].double()).abs().max())
 
 
 # ---------------------------------------------------------------------------
@@ -408,16 +418,9 @@ def _check_tree_only(
     lse = attn_fn(*batch.args(out), True, max_ctx_len=48, tree_only=True)
     ref = batch.poisoned_out()
     ref_lse = tree_attention_reference(*cut.args(ref), True)
-    idx = torch.tensor(batch.tree_tokens, device=device)
-    untouched = torch.ones(out.shape[0], dtype=torch.bool, device=device)
-    untouched[idx] = False
-    o, r = out[idx].double(), ref[idx].double()
     return {
-        "finite": bool(torch.isfinite(o).all()),
-        "untouched_nan": bool(torch.isnan(out[untouched]).all()),
-        "rel_err": float((o - r).norm() / r.norm()),
-        "tol": TOL[dtype],
-        "lse_err": float((lse[idx].double() - ref_lse[idx].double()).abs().max()),
+        **compare_tree_rows(batch, out, ref),
+        "lse_err": lse_error(batch, lse, ref_lse),
     }
 
 
@@ -445,16 +448,7 @@ def _check_seeded(
     attn_fn(*batch.args(out), context_lse=ctx_lse)
     ref = batch.poisoned_out()
     tree_attention_reference(*batch.args(ref))
-    idx = torch.tensor(batch.tree_tokens, device=device)
-    untouched = torch.ones(out.shape[0], dtype=torch.bool, device=device)
-    untouched[idx] = False
-    o, r = out[idx].double(), ref[idx].double()
-    return {
-        "finite": bool(torch.isfinite(o).all()),
-        "untouched_nan": bool(torch.isnan(out[untouched]).all()),
-        "rel_err": float((o - r).norm() / r.norm()),
-        "tol": TOL[dtype],
-    }
+    return compare_tree_rows(batch, out, ref)
 
 
 interp_results = interpreter_fixture(__file__, timeout=600)

@@ -258,6 +258,14 @@ def test_tree_only_pass(dtype):
     assert res["lse_err"] < 1e-2, res
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tree_pass_continues_context_state(dtype):
+    """``context_lse``: the tree pass folded into a given context pass."""
+    res = H._check_seeded(_kernel(), dtype, "cuda")
+    assert res["finite"] and res["untouched_nan"], res
+    assert res["rel_err"] < res["tol"], res
+
+
 def test_flash_context_plus_tree_pass():
     """FlashAttention over the context + our tree pass continuing its softmax
     state (``context_lse``) equals the fused kernel."""
