@@ -11,7 +11,16 @@ import torch
 from vllm import SamplingParams
 
 from benchmarks.reference_ddtree import best_first_tree
-from tests.utils import ddtree_config, dflash_config, make_llm, metric, shutdown_llm
+from tests.utils import (
+    TIE,
+    ddtree_config,
+    dflash_config,
+    diverges_off_tie,
+    make_llm,
+    metric,
+    shutdown_llm,
+    top2_gaps,
+)
 from vllm_ddtree.fixtures import trained_pair
 from vllm_ddtree.training.dflash_model import DFlashDrafter, DrafterSpec
 from vllm_ddtree.training.train_pair import PRESETS, train_pair
@@ -113,7 +122,7 @@ def test_committed_pair_has_real_acceptance():
     decoding, DFlash accepts well above chance and the tree accepts more."""
     pair = trained_pair()
     prompts = [{"prompt_token_ids": p} for p in pair.load_prompts()[:8]]
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
     results = {}
     for name, spec in (
         ("nospec", None),
@@ -129,8 +138,15 @@ def test_committed_pair_has_real_acceptance():
             shutdown_llm(llm)
         tau = 1 + accepted / drafts if drafts else None
         results[name] = ([list(o.outputs[0].token_ids) for o in outs], tau)
-    assert results["dflash"][0] == results["nospec"][0]
-    assert results["ddtree"][0] == results["nospec"][0]
+        if name == "nospec":
+            gaps = [top2_gaps(o) for o in outs]
+    # The pair is bf16 and its top two logits often tie exactly (a gap of 0,
+    # seen on an AVX2-only CPU): only a divergence off a tie is an error.
+    for name in ("dflash", "ddtree"):
+        for want, gap, have in zip(
+            results["nospec"][0], gaps, results[name][0], strict=True
+        ):
+            assert diverges_off_tie(want, gap, have, TIE) is None, (name, want, have)
     tau_dflash, tau_ddtree = results["dflash"][1], results["ddtree"][1]
     assert tau_dflash > 1.3, tau_dflash  # measured 1.67; no acceptance is 1.0
     assert tau_ddtree > tau_dflash, (tau_ddtree, tau_dflash)
