@@ -104,6 +104,12 @@ profile_8b() {  # DDTree B=64, then stock DFlash on the same (V1) runner, profil
   tar czf "$out/profile-8b.tgz" -C /tmp prof-8b
 }
 
+# The soak's load on the fixture models (a random drafter: the load, not
+# acceptance, is the point), shared by the soak modes.
+soak_load=(python3 benchmarks/soak.py --fixtures --budget 16 --concurrency 32
+  --warmup-seconds 30 --max-model-len 256 --max-tokens 32
+  --server-arg=--max-num-seqs=64)
+
 case $mode in
 tests)
   kernel_tests
@@ -146,12 +152,9 @@ serve)
   step serve 240 python3 -m pytest -q -rA tests/gpu/test_serve_gpu.py
   ;;
 soak)
-  # The fixture models (a random drafter: the load, not acceptance, is the
-  # point); a device call lasts 10 minutes, so the load runs for 6.
-  step soak 580 python3 benchmarks/soak.py --fixtures --budget 16 \
-    --concurrency 32 --minutes 6 --warmup-seconds 30 --max-model-len 256 \
-    --max-tokens 32 --server-arg=--gpu-memory-utilization=0.3 \
-    --server-arg=--max-num-seqs=64 --log-dir "$logs/soak-servers" \
+  # A device call lasts 10 minutes, so the load runs for 6.
+  step soak 580 "${soak_load[@]}" --minutes 6 \
+    --server-arg=--gpu-memory-utilization=0.3 --log-dir "$logs/soak-servers" \
     --out "$out/soak-h200.json"
   ;;
 soak-start)
@@ -160,10 +163,8 @@ soak-start)
   # survives while the machine stays warm; correctness modes can share the
   # GPU with it meanwhile (the soak's servers take 2 x 0.2 of its memory).
   rm -rf /tmp/soak-bg && mkdir -p /tmp/soak-bg
-  setsid nohup python3 benchmarks/soak.py --fixtures --budget 16 \
-    --concurrency 32 --minutes 10 --warmup-seconds 30 --max-model-len 256 \
-    --max-tokens 32 --server-arg=--gpu-memory-utilization=0.2 \
-    --server-arg=--max-num-seqs=64 --log-dir /tmp/soak-bg/servers \
+  setsid nohup "${soak_load[@]}" --minutes 10 \
+    --server-arg=--gpu-memory-utilization=0.2 --log-dir /tmp/soak-bg/servers \
     --out /tmp/soak-bg/soak-h200.json >/tmp/soak-bg/soak.log 2>&1 </dev/null &
   echo $! >/tmp/soak-bg/pid
   # The servers size their KV caches from the free memory they see at start:
