@@ -252,10 +252,15 @@ def _ddtree_of(response: Any) -> dict[str, Any] | None:
 
 
 def tree_rss(pid: int) -> int:
-    """Resident set size of a process and all its descendants, in bytes."""
-    root = psutil.Process(pid)
+    """Resident set size of a process and all its descendants, in bytes (0
+    once the process is gone: the report's ``servers`` entry says why)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
     total = 0
-    for proc in [root, *root.children(recursive=True)]:
+    for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             total += proc.memory_info().rss
     return total
@@ -272,7 +277,7 @@ async def sample_rss(pid: int, samples: list[int], stop: asyncio.Event) -> None:
 
 
 async def load_phase(
-    url: str,
+    server: OpenAIServer,
     args: argparse.Namespace,
     vocab: int,
     seconds: float,
@@ -280,14 +285,15 @@ async def load_phase(
     first_index: int,
 ) -> list[Outcome]:
     """``args.concurrency`` clients, each sending one request at a time, for
-    ``seconds`` or ``max_requests`` requests; returns when all are done."""
-    client = make_client(url, args)
+    ``seconds`` or ``max_requests`` requests, or until the server exits;
+    returns when all are done."""
+    client = make_client(server.url, args)
     deadline = time.monotonic() + seconds
     outcomes: list[Outcome] = []
     next_index = iter(range(first_index, first_index + max_requests))
 
     async def client_loop() -> None:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and server.exit_code is None:
             index = next(next_index, None)
             if index is None:
                 return
@@ -380,13 +386,11 @@ async def soak(args: argparse.Namespace, ddtree: OpenAIServer, reference: OpenAI
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_rss(ddtree.pid, samples, stop))
     try:
-        outcomes = await load_phase(
-            ddtree.url, args, vocab, warmup_s, args.max_requests, 0
-        )
+        outcomes = await load_phase(ddtree, args, vocab, warmup_s, args.max_requests, 0)
         await asyncio.sleep(args.idle_seconds)
         rss_warm = tree_rss(ddtree.pid)
         outcomes += await load_phase(
-            ddtree.url,
+            ddtree,
             args,
             vocab,
             duration - warmup_s,
@@ -400,9 +404,23 @@ async def soak(args: argparse.Namespace, ddtree: OpenAIServer, reference: OpenAI
         stop.set()
         await sampler
     compared, mismatches = await replay_greedy(reference.url, outcomes, args)
-    return build_report(
+    report = build_report(
         args, outcomes, elapsed, rss_warm, rss_end, samples, compared, mismatches
-    ) | {"engine": engine_acceptance(ddtree.url)}
+    )
+    servers = {"ddtree": server_health(ddtree), "reference": server_health(reference)}
+    report["checks"]["servers_alive"] = all(h["alive"] for h in servers.values())
+    report["passed"] = all(report["checks"].values())
+    return report | {"servers": servers, "engine": engine_acceptance(ddtree.url)}
+
+
+def server_health(server: OpenAIServer) -> dict[str, Any]:
+    """Whether ``server`` still runs; if not, its exit status and the end of
+    its log (a server that died mid-soak fails every later request, and the
+    log is the only record of why)."""
+    code = server.exit_code
+    if code is None:
+        return {"alive": True}
+    return {"alive": False, "exit_code": code, "log_tail": server.log_tail()}
 
 
 def build_report(

@@ -29,6 +29,8 @@
 #   bash scripts/h200_check.sh profile # DDTree B=64 and DFlash (V1) steps of dummy Qwen3-8B profiled (~9 min)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
 #   bash scripts/h200_check.sh e2e     # no-spec / dflash / ddtree on that pair (~9 min)
+#   bash scripts/h200_check.sh train-e2e  # both in one call: a 4-minute pair (TRAIN_MINUTES),
+#                                         # then B=64 (E2E_BUDGETS), batch 1 and 16 (~10 min)
 # (train and e2e, e2e-8b and its -flash / -v1 additions run back to back: /tmp survives
 # only while the machine stays warm.)
 # Every engine runs in a process of its own (in-process engines neither free
@@ -36,7 +38,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|profile|train|e2e}
+mode=${1:?usage: h200_check.sh tests|engines|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|profile|train|e2e|train-e2e}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -104,6 +106,22 @@ profile_8b() {  # DDTree B=64, then stock DFlash on the same (V1) runner, profil
   tar czf "$out/profile-8b.tgz" -C /tmp prof-8b
 }
 
+train_pair() {  # MINUTES LIMIT: the h200 preset into /tmp/pair-h200
+  step train "$2" python3 -m vllm_ddtree.training.train_pair --preset h200 \
+    --max-minutes "$1" --out /tmp/pair-h200
+  cp /tmp/pair-h200/training.json "$out/"
+}
+
+e2e_pair() {  # LIMIT BUDGETS BATCHES: no-spec / DFlash / DDTree on that pair
+  step e2e-pair "$1" python3 benchmarks/bench_e2e.py --pair /tmp/pair-h200 \
+    --out /tmp/e2e-h200 --budgets "$2" --batch-sizes "$3" \
+    --temperatures 0,1 --job-timeout 140
+  python3 benchmarks/bench_e2e.py --out /tmp/e2e-h200 --report-only >/dev/null
+  cp /tmp/e2e-h200/results.json "$out/e2e-h200.json"
+  cp /tmp/e2e-h200/table.md "$out/e2e-h200.md"
+  cp /tmp/e2e-h200/*.png "$out/" 2>/dev/null
+}
+
 # The soak's load on the fixture models (a random drafter: the load, not
 # acceptance, is the point), shared by the soak modes.
 soak_load=(python3 benchmarks/soak.py --fixtures --budget 16 --concurrency 32
@@ -168,13 +186,18 @@ soak-start)
     --out /tmp/soak-bg/soak-h200.json >/tmp/soak-bg/soak.log 2>&1 </dev/null &
   echo $! >/tmp/soak-bg/pid
   # The servers size their KV caches from the free memory they see at start:
-  # return (and let other modes use the GPU) once both are up.
-  for _ in $(seq 60); do
-    [ "$(cat /tmp/soak-bg/servers/*.log 2>/dev/null |
-      grep -c 'Application startup complete')" -ge 2 ] && break
+  # return (and let other modes use the GPU) once both are up, about 3
+  # minutes each on a fresh machine. Only modes with a steady, small memory
+  # footprint may share the GPU with the soak: a server died during the
+  # 2026-12-03 soak while train_pair ran beside it.
+  up=0
+  for _ in $(seq 100); do
+    up=$(cat /tmp/soak-bg/servers/*.log 2>/dev/null | grep -c 'Application startup complete')
+    [ "$up" -ge 2 ] && break
     sleep 5
   done
-  echo "soak started (pid $(cat /tmp/soak-bg/pid)) after ${SECONDS}s" | tee -a "$out/summary.txt"
+  echo "soak started (pid $(cat /tmp/soak-bg/pid)), $up of 2 servers up after ${SECONDS}s" |
+    tee -a "$out/summary.txt"
   ;;
 soak-finish)
   pid=$(cat /tmp/soak-bg/pid 2>/dev/null) || { echo "no soak was started"; exit 1; }
@@ -215,7 +238,8 @@ e2e-8b | e2e-8b-flash | e2e-8b-v1 | e2e-8b-async | e2e-8b-async-flash)
   # DDTree's first start on a fresh machine compiles its Triton variants
   # (about 90 s for the 8B geometry), hence the longer job timeout. The
   # async modes write a table of their own (ratios compare like with like;
-  # E2E_BATCHES=1 for batch 1 only).
+  # E2E_BATCHES=1 for batch 1 only; E2E_LIMIT: seconds for the step, whose
+  # finished engines are reported either way).
   e2e_8b=(python3 benchmarks/bench_e2e.py
     --target benchmarks/configs/qwen3-8b --drafter benchmarks/configs/qwen3-8b-dflash
     --load-format dummy --budgets 64 --fixed-budget
@@ -231,11 +255,14 @@ e2e-8b | e2e-8b-flash | e2e-8b-v1 | e2e-8b-async | e2e-8b-async-flash)
   esac
   e2e_8b+=(--out "/tmp/$table")
   case $mode in
-  e2e-8b | e2e-8b-async) step "$mode" 590 "${e2e_8b[@]}" --methods nospec,dflash,ddtree ;;
+  e2e-8b | e2e-8b-async)
+    step "$mode" "${E2E_LIMIT:-590}" "${e2e_8b[@]}" --methods nospec,dflash,ddtree ;;
   e2e-8b-flash | e2e-8b-async-flash)
-    step "$mode" 300 "${e2e_8b[@]}" --methods ddtree --flash-context ;;
-  e2e-8b-v1) step e2e-8b-v1 420 "${e2e_8b[@]}" --methods nospec-v1,dflash-v1 ;;
+    step "$mode" "${E2E_LIMIT:-300}" "${e2e_8b[@]}" --methods ddtree --flash-context ;;
+  e2e-8b-v1)
+    step e2e-8b-v1 "${E2E_LIMIT:-420}" "${e2e_8b[@]}" --methods nospec-v1,dflash-v1 ;;
   esac
+  python3 benchmarks/bench_e2e.py --out "/tmp/$table" --report-only >/dev/null
   cp "/tmp/$table/results.json" "$out/$table.json"
   cp "/tmp/$table/table.md" "$out/$table.md"
   ;;
@@ -259,19 +286,21 @@ profile)
   profile_8b
   ;;
 train)
-  step train 560 python3 -m vllm_ddtree.training.train_pair --preset h200 \
-    --max-minutes 8 --out /tmp/pair-h200
-  cp /tmp/pair-h200/training.json "$out/"
+  train_pair 8 560
   ;;
 e2e)
-  step e2e-pair 420 python3 benchmarks/bench_e2e.py --pair /tmp/pair-h200 \
-    --out /tmp/e2e-h200 --budgets 16,64,256 --batch-sizes 1,16,64 \
-    --temperatures 0,1 --job-timeout 140
+  e2e_pair 420 16,64,256 1,16,64
   step parity 120 python3 benchmarks/reference_ddtree.py --pair /tmp/pair-h200 \
     --parity --budget 32 --num-prompts 16 --max-tokens 128 --out "$out/parity-h200.json"
-  cp /tmp/e2e-h200/results.json "$out/e2e-h200.json"
-  cp /tmp/e2e-h200/table.md "$out/e2e-h200.md"
-  cp /tmp/e2e-h200/*.png "$out/" 2>/dev/null
+  ;;
+train-e2e)
+  # Both in one call: the pair lives in /tmp, and a machine lost between a
+  # `train` and an `e2e` call takes it along (2026-12-03). TRAIN_MINUTES
+  # (default 4) trades the pair's quality for the table's time; the engines
+  # that finish before the call's end (nospec, dflash, then DDTree) are
+  # reported. A later `e2e` call on the same machine adds the full grid.
+  train_pair "${TRAIN_MINUTES:-4}" $((${TRAIN_MINUTES:-4} * 60 + 60))
+  e2e_pair $((585 - SECONDS)) "${E2E_BUDGETS:-64}" 1,16
   ;;
 caches)
   # Triton loads a cached kernel from its metadata and binary; the

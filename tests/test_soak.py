@@ -8,6 +8,7 @@ every kind of request, and every check must hold.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import subprocess
@@ -83,3 +84,28 @@ def test_short_soak(fixtures, tmp_path):
     assert report["engine"]["drafts"] > 0
     assert report["per_request_ddtree"]["requests"] > 0
     assert report["passed"] and run.returncode == 0, summary
+
+
+class _ExitedServer:
+    """What the soak sees of a server process that has died."""
+
+    url = "http://127.0.0.1:1"
+    exit_code = -9
+
+    def log_tail(self) -> str:
+        return "RuntimeError: CUDA error: out of memory"
+
+
+def test_dead_server_stops_the_load_and_fails_the_report():
+    from benchmarks.soak import load_phase, server_health
+
+    args = parse_args(["--target", "t", "--drafter", "d", "--concurrency", "4"])
+    # Without the exit check every client would keep failing to connect,
+    # as fast as it can, until the deadline.
+    outcomes = asyncio.run(load_phase(_ExitedServer(), args, 300, 60.0, 1000, 0))
+    assert outcomes == []
+    assert server_health(_ExitedServer()) == {
+        "alive": False,
+        "exit_code": -9,
+        "log_tail": "RuntimeError: CUDA error: out of memory",
+    }

@@ -257,6 +257,12 @@ class OpenAIServer:
             self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT
         )
 
+    @property
+    def exit_code(self) -> int | None:
+        """The server's exit status, or None while it runs."""
+        assert self.proc is not None
+        return self.proc.poll()
+
     def wait_ready(self) -> None:
         """Block until ``/health`` answers; raise (quoting the log) if the
         server exits or does not come up within ``startup_timeout``."""
@@ -265,7 +271,7 @@ class OpenAIServer:
         assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout
         while True:
-            if self.proc.poll() is not None:
+            if self.exit_code is not None:
                 raise RuntimeError(f"server exited:\n{self.log_tail()}")
             try:
                 if requests.get(f"{self.url}/health", timeout=2).ok:
