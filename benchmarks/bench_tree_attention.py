@@ -10,7 +10,8 @@ For each (batch, context, tree size) it times
 * ``fa3+tree``: the alternative design, FlashAttention non-causal over the
   context returning its log-sum-exp, then our kernel over the tree nodes
   continuing that softmax state in place (``context_lse``); with its largest
-  deviation from ``ours`` (``fa3_tree_err``);
+  deviation from ``ours`` (``fa3_tree_err``) and the context pass alone
+  (``fa3 ctx``; the difference is the tree pass);
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with a
   materialised boolean mask over pre-gathered contiguous KV (gather not
   timed);
@@ -41,6 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_ddtree.v1.attention.ops.flash_context_tree_attention import (  # noqa: E402
+    flash_context_pass,
     flash_context_tree_attention,
 )
 from vllm_ddtree.v1.attention.ops.triton_tree_attention import (  # noqa: E402
@@ -293,8 +295,15 @@ def _time_fa3_tree(
     args, query, key_cache, value_cache, block_table, cu_q, num_nodes, ctx_len,
     mask_row_start, tree_mask, scale, n, ctx, ours_out,
 ) -> dict:  # fmt: skip
-    """FlashAttention over the context + the tree pass continuing its state."""
+    """FlashAttention over the context + the tree pass continuing its state;
+    and the context pass alone (``fa3_ctx_ms``: the rest is the tree pass)."""
     merged = torch.empty_like(query)
+
+    def fa3_ctx():
+        flash_context_pass(
+            query, key_cache, value_cache, merged, block_table, ctx_len, scale,
+            n, cu_seqlens_q=cu_q, max_ctx_len=ctx,
+        )  # fmt: skip
 
     def fa3_tree():
         flash_context_tree_attention(
@@ -303,11 +312,13 @@ def _time_fa3_tree(
             cu_seqlens_q=cu_q, max_ctx_len=ctx,
         )  # fmt: skip
 
-    eager = _bench(fa3_tree, args.warmup, args.rep)
-    ms = _bench_graph(fa3_tree, _reps(eager)) if not args.eager else eager
+    rec = {}
+    for name, fn in (("fa3_ctx", fa3_ctx), ("fa3_tree", fa3_tree)):
+        rec[f"{name}_eager_ms"] = eager = _bench(fn, args.warmup, args.rep)
+        rec[f"{name}_ms"] = _bench_graph(fn, _reps(eager)) if not args.eager else eager
     fa3_tree()
-    err = (merged.float() - ours_out.float()).abs().max().item()
-    return {"fa3_tree_eager_ms": eager, "fa3_tree_ms": ms, "fa3_tree_err": err}
+    rec["fa3_tree_err"] = (merged.float() - ours_out.float()).abs().max().item()
+    return rec
 
 
 def _time_sdpa(
@@ -432,7 +443,9 @@ def main() -> None:
                 "ours/fa3 *_ms: CUDA-graph replay, L2 flushed before every call "
                 "(unless --eager); *_eager_ms: triton do_bench (median, L2 flushed); "
                 "ours: Triton tree attention, random trees, FA-layout paged KV; "
-                "fa3: causal chain of the same query count; sdpa: dense bool mask "
+                "fa3: causal chain of the same query count; fa3_ctx: FA3 "
+                "non-causal over the context with LSE (flash_context_pass); "
+                "fa3_tree: that + the tree pass; sdpa: dense bool mask "
                 "over pre-gathered KV (gather not timed); roofline_frac: "
                 "(KV + Q + O bytes) / copy bandwidth / time; TFLOPs counts dense "
                 "QK^T + PV over context + tree."
@@ -446,8 +459,9 @@ def main() -> None:
 
     hdr = (
         f"{'batch':>5} {'ctx':>6} {'tree':>4} {'split':>5} {'ours ms':>9} "
-        f"{'fa3 ms':>9} {'fa3+tree':>9} {'sdpa ms':>9} {'GB/s':>7} {'roofl':>6} "
-        f"{'TFLOP/s':>8}" + (f" {'best variant':>18}" if args.sweep else "")
+        f"{'fa3 ms':>9} {'fa3 ctx':>9} {'fa3+tree':>9} {'sdpa ms':>9} "
+        f"{'GB/s':>7} {'roofl':>6} {'TFLOP/s':>8}"
+        + (f" {'best variant':>18}" if args.sweep else "")
     )
     print(hdr, flush=True)
     t0 = time.time()
@@ -468,6 +482,7 @@ def main() -> None:
                     f"{batch:>5} {ctx:>6} {n:>4} {_fmt(rec.get('splits'), '>5')} "
                     f"{_fmt(rec.get('ours_ms'), '>9.4f')} "
                     f"{_fmt(rec.get('fa3_ms'), '>9.4f')} "
+                    f"{_fmt(rec.get('fa3_ctx_ms'), '>9.4f')} "
                     f"{_fmt(rec.get('fa3_tree_ms'), '>9.4f')} "
                     f"{_fmt(rec.get('sdpa_ms'), '>9.4f')} "
                     f"{_fmt(rec.get('ours_GBps'), '>7.0f')} "

@@ -8,12 +8,11 @@ its log-sum-exp; the Triton kernel then folds each node's ancestors into
 that softmax state in place (``context_lse``), which is the log-sum-exp merge
 of the two passes without a third kernel or scratch outputs.
 
-Measured on the H200 with a separate merge (vLLM's ``merge_attn_states``;
-Qwen3-8B heads, bench_tree_attention.py, batch 1/4/16, 1K/4K contexts,
-17/65 nodes) it beat the fused kernel in 10 of 12 shapes, by up to 1.8x
-(batch 16, 4K, 65 nodes: 0.25 vs 0.44 ms); the fused kernel won at batch 1
-with 17 nodes over 1K (0.019 vs 0.027 ms) and batch 4 with 65 nodes over 1K
-(0.057 vs 0.059 ms).
+Measured on the H200 (Qwen3-8B heads, bench_tree_attention.py, batch
+1/4/16, 1K/4K contexts, 17/65 nodes): 1.21-1.79x FlashAttention's causal
+chain of the same length, against 1.10-2.20x for the fused kernel; it wins
+where the context's bytes dominate (batch 16, 4K, 65 nodes: 0.245 vs 0.432
+ms), the fused kernel at batch 1 (1K, 17 nodes: 0.018 vs 0.026 ms).
 """
 
 from __future__ import annotations
@@ -21,6 +20,46 @@ from __future__ import annotations
 import torch
 
 from vllm_ddtree.v1.attention.ops.triton_tree_attention import tree_attention
+
+
+def flash_context_pass(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx_len: torch.Tensor,
+    softmax_scale: float,
+    max_nodes: int,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    max_ctx_len: int,
+    fa_version: int = 3,
+    num_splits: int = 0,
+) -> torch.Tensor:
+    """FlashAttention of every node over its request's context alone (no
+    mask): writes ``out`` and returns the log-sum-exp, ``[Hq, T]``, that
+    :func:`tree_attention`'s ``context_lse`` continues from."""
+    # Imported here: vLLM's FlashAttention extension exists on CUDA builds only.
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    _, ctx_lse = flash_attn_varlen_func(
+        q=query,
+        k=key_cache,
+        v=value_cache,
+        out=out,
+        cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_nodes,
+        seqused_k=ctx_len,
+        max_seqlen_k=max_ctx_len,
+        softmax_scale=softmax_scale,
+        causal=False,
+        block_table=block_table,
+        return_softmax_lse=True,
+        fa_version=fa_version,
+        num_splits=num_splits,
+    )
+    return ctx_lse
 
 
 def flash_context_tree_attention(
@@ -52,22 +91,17 @@ def flash_context_tree_attention(
     backend's bound under CUDA graphs, 0 lets FlashAttention choose).
     Writes ``out``.
     """
-    # Imported here: vLLM's FlashAttention extension exists on CUDA builds only.
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
-
-    _, ctx_lse = flash_attn_varlen_func(
-        q=query,
-        k=key_cache,
-        v=value_cache,
-        out=out,
+    ctx_lse = flash_context_pass(
+        query,
+        key_cache,
+        value_cache,
+        out,
+        block_table,
+        ctx_len,
+        softmax_scale,
+        max_nodes,
         cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_q=max_nodes,
-        seqused_k=ctx_len,
-        max_seqlen_k=max_ctx_len,
-        softmax_scale=softmax_scale,
-        causal=False,
-        block_table=block_table,
-        return_softmax_lse=True,
+        max_ctx_len=max_ctx_len,
         fa_version=fa_version,
         num_splits=num_splits,
     )
