@@ -43,13 +43,15 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # Compiled Triton kernels, Triton's autotuning timings and vLLM's compile
-# cache outlive the machine: `caches` packs them into $OUT; put that file in
-# .device-cache/ (git-excluded) and carry it, and the next machine unpacks it
-# before anything compiles (the FLA kernels' autotuning alone takes ~200 s).
+# cache outlive the machine: `caches` packs them into $OUT; put those files
+# in .device-cache/ (git-excluded) and carry it, and the next machine unpacks
+# them before anything compiles (the FLA kernels' autotuning alone takes
+# ~200 s, the V2 runner's first warm-up ~120 s).
 export TRITON_CACHE_AUTOTUNING=1
-if [ -f .device-cache/caches.tgz ]; then
-  tar xzf .device-cache/caches.tgz -C "$HOME" || echo "could not unpack the caches"
-fi
+for cache in .device-cache/*.tgz; do
+  [ -f "$cache" ] || continue
+  tar xzf "$cache" -C "$HOME" || echo "could not unpack $cache"
+done
 # Wheels the staged bundle lacks: truststore, which the openai client's
 # httpx2 imports (the soak's clients died on it, 2026-12-03). Put them in
 # .device-extra/ (git-excluded; `pip download truststore==0.10.5 --no-deps
@@ -304,11 +306,12 @@ train-e2e)
   ;;
 caches)
   # Triton loads a cached kernel from its metadata and binary; the
-  # intermediate IRs stay behind (a returned file holds at most 16 MiB).
-  tar czf "$out/caches.tgz" -C "$HOME" --exclude='*.ptx' --exclude='*.ttir' \
-    --exclude='*.ttgir' --exclude='*.llir' --exclude='*.source' \
-    .triton/cache .cache/vllm 2>/dev/null
-  du -sh "$HOME/.triton/cache" "$HOME/.cache/vllm" "$out/caches.tgz"
+  # intermediate IRs stay behind. One file per cache: a returned file holds
+  # at most 16 MiB, and one over it would take the other cache along.
+  tar czf "$out/caches-triton.tgz" -C "$HOME" --exclude='*.ptx' --exclude='*.ttir' \
+    --exclude='*.ttgir' --exclude='*.llir' --exclude='*.source' .triton/cache 2>/dev/null
+  tar czf "$out/caches-vllm.tgz" -C "$HOME" .cache/vllm 2>/dev/null
+  du -sh "$HOME/.triton/cache" "$HOME/.cache/vllm" "$out"/caches-*.tgz
   ;;
 *)
   echo "unknown mode $mode" >&2
