@@ -50,11 +50,29 @@ def _spec(**overrides):
             {"num_speculative_tokens_per_batch_size": [(1, 8, 4)]},
             "'num_speculative_tokens_per_batch_size'.*adaptive_budget",
         ),
+        (
+            {
+                "num_speculative_tokens_per_batch_size": [(1, 8, 4)],
+                "ddtree": {"adaptive_budget": True},
+            },
+            "'num_speculative_tokens_per_batch_size'.*adaptive_budget",
+        ),
     ],
 )
 def test_bad_speculative_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         parse_user_options(_spec(**overrides))
+
+
+def test_batch_size_schedule_with_fixed_budgets_goes_to_vllm():
+    schedule = [(1, 4, 8), (5, 64, 2)]
+    spec = parse_user_options(
+        _spec(
+            num_speculative_tokens_per_batch_size=schedule,
+            ddtree={"adaptive_budget": False},
+        )
+    )
+    assert spec["num_speculative_tokens_per_batch_size"] == schedule
 
 
 def test_good_config_becomes_dflash():

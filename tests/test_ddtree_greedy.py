@@ -10,6 +10,10 @@ positions, the tree masks and the drafter's reordered context. One engine per
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 from vllm import LLM, SamplingParams
 
@@ -125,3 +129,64 @@ def test_greedy_equals_no_spec_with_async_scheduling(fixtures, reference, budget
         shutdown_llm(llm)
     assert not rows_without_tree
     assert accepted / drafts > 1.2, accepted / drafts
+
+
+@contextmanager
+def draft_lengths_per_step() -> Iterator[list[tuple[int, int]]]:
+    """Record, for every step of DDTree engines made in this process, the
+    number of scheduled requests and the longest draft verified."""
+    from vllm_ddtree.v1.worker.ddtree_model_runner import DDTreeModelRunnerMixin
+
+    prepare = DDTreeModelRunnerMixin._prepare_inputs
+    steps: list[tuple[int, int]] = []
+
+    def recorded(self, scheduler_output, *args):
+        drafts = scheduler_output.scheduled_spec_decode_tokens.values()
+        steps.append(
+            (
+                len(scheduler_output.num_scheduled_tokens),
+                max(map(len, drafts), default=0),
+            )
+        )
+        return prepare(self, scheduler_output, *args)
+
+    DDTreeModelRunnerMixin._prepare_inputs = recorded
+    try:
+        yield steps
+    finally:
+        DDTreeModelRunnerMixin._prepare_inputs = prepare
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_batch_size_schedule_sizes_the_trees(fixtures, reference, async_scheduling):
+    """vLLM's ``num_speculative_tokens_per_batch_size`` with fixed budgets:
+    the drafts a step verifies are the first K nodes of each tree, K looked
+    up by the batch size of the step that drafted them (1 request: the whole
+    budget of 8; more: 3). Greedy output stays no-spec's."""
+    budget, wide, narrow = 8, 8, 3
+    prompts = _prompts()
+    expected = reference[16]
+    oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, expected, strict=True)})
+    spec = ddtree_config(fixtures.dense_drafter, budget, adaptive_budget=False)
+    spec["num_speculative_tokens_per_batch_size"] = [(1, 1, wide), (2, 64, narrow)]
+    with (
+        oracle_drafter(oracle),
+        cpu_async_scheduling(),
+        drafts_verified_without_tree() as rows_without_tree,
+        draft_lengths_per_step() as steps,
+    ):
+        llm = make_llm(
+            fixtures.dense_target,
+            block_size=16,
+            speculative_config=spec,
+            async_scheduling=async_scheduling,
+        )
+        for batch, subset in ((16, NUM_PROMPTS), (1, 2)):
+            got = _generate(llm, prompts[:subset], batch)
+            for i, (want, have) in enumerate(zip(expected, got, strict=False)):
+                assert have == want, f"prompt {i} differs at batch {batch}"
+        shutdown_llm(llm)
+    assert not rows_without_tree
+    for (reqs, _), (_, longest) in itertools.pairwise(steps):
+        assert longest <= (wide if reqs == 1 else narrow), steps
+    assert {narrow, wide} <= {longest for _, longest in steps}, steps

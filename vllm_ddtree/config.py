@@ -75,12 +75,10 @@ _CHAIN_ONLY_OPTIONS = {
     "draft_sample_method": ("greedy", "trees are built from draft log-probs"),
     "synthetic_acceptance_rates": (None, "trees are verified by a tree walk"),
     "use_local_argmax_reduction": (False, "trees need the top-B tokens"),
-    "num_speculative_tokens_per_batch_size": (
-        None,
-        "trees are sized per step by ddtree.adaptive_budget (from a latency "
-        "model of the target)",
-    ),
 }
+# vLLM's batch-size schedule of draft lengths: for DDTree, the number of tree
+# nodes each step verifies (the best-first tree's first K nodes are a tree).
+_SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 
 
 def _fail(field: str, problem: str, fix: str) -> ValueError:
@@ -135,6 +133,14 @@ def parse_user_options(spec: dict[str, Any]) -> dict[str, Any]:
                 f"must be true or false, got {options[key]!r}",
                 "Use a JSON boolean",
             )
+    if spec.get(_SCHEDULE_KEY) is not None and options.get("adaptive_budget", True):
+        raise _fail(
+            _SCHEDULE_KEY,
+            "sizes the trees by batch size, which ddtree.adaptive_budget (on by "
+            "default) also does, per step",
+            'Set "ddtree": {"adaptive_budget": false} to use the schedule, or '
+            "leave the schedule out",
+        )
     if "max_depth" in options:
         depth = options["max_depth"]
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:

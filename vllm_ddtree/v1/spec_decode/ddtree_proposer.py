@@ -14,7 +14,10 @@ DFlashProposer)`` check in the runner keep working. Two things change:
   equal the depth positions used by the target.
 * Instead of one argmax token per position, the drafter's log-probabilities
   at its ``max_depth`` positions feed :func:`build_trees`, and ``propose``
-  returns the ``[num_reqs, budget]`` node tokens. Parents and depths stay on
+  returns the ``[num_reqs, K]`` first node tokens of every tree, ``K`` being
+  the draft length vLLM asks for: the budget, or its batch-size schedule's
+  value (``num_speculative_tokens_per_batch_size``). Nodes come best-first,
+  so the first ``K`` nodes of a tree are a tree. Parents and depths stay on
   the proposer (:attr:`last_trees`) for the runner to pick up.
 """
 
@@ -135,7 +138,7 @@ class DDTreeProposer(DFlashProposer):
             values.view(num_reqs, self.ddtree.max_depth, k),
             tokens.view(num_reqs, self.ddtree.max_depth, k),
         )
-        return self.last_trees.tokens.to(torch.int32)
+        return self.last_trees.tokens[:, :num_speculative_tokens].to(torch.int32)
 
     def _build_trees(self, values: torch.Tensor, tokens: torch.Tensor) -> DraftTrees:
         """The best-first trees: one Triton launch on a GPU (the torch build
