@@ -26,14 +26,13 @@ from vllm import LLM, SamplingParams
 
 from tests.oracle_drafter import Oracle, oracle_drafter
 from tests.utils import (
-    TIE,
     cpu_async_scheduling,
     ddtree_config,
     make_llm,
     metric,
     shutdown_llm,
-    top2_gaps,
 )
+from vllm_ddtree.greedy_ties import TIE, top2_gaps
 
 pytestmark = pytest.mark.slow
 

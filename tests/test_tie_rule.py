@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The greedy-comparison rule of the engine tests: outputs may part only at
-a near-tie of the reference (``tests.utils.diverges_off_tie``). A rule that
+a near-tie of the reference (``vllm_ddtree.greedy_ties``). A rule that
 let every divergence through would make those tests unable to fail."""
 
 from __future__ import annotations
 
-from tests.utils import TIE, diverges_off_tie
+from vllm_ddtree.greedy_ties import TIE, diverges_off_tie
 
 
 def test_divergence_off_a_tie_is_reported():

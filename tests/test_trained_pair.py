@@ -12,16 +12,14 @@ from vllm import SamplingParams
 
 from benchmarks.reference_ddtree import best_first_tree
 from tests.utils import (
-    TIE,
     ddtree_config,
     dflash_config,
-    diverges_off_tie,
     make_llm,
     metric,
     shutdown_llm,
-    top2_gaps,
 )
 from vllm_ddtree.fixtures import trained_pair
+from vllm_ddtree.greedy_ties import TIE, diverges_off_tie, top2_gaps
 from vllm_ddtree.training.dflash_model import DFlashDrafter, DrafterSpec
 from vllm_ddtree.training.train_pair import PRESETS, train_pair
 from vllm_ddtree.v1.spec_decode.tree import build_trees

@@ -138,39 +138,6 @@ def dflash_config(drafter: str | Path, num_speculative_tokens: int = 15) -> dict
     }
 
 
-# Log-probability gap below which greedy decoding is numerically ambiguous in
-# bf16 (batched verification and one-token decoding may round either way).
-TIE = 0.1
-
-
-def top2_gaps(output: Any) -> list[float]:
-    """Per generated token, the gap between the two best log-probabilities
-    (the request must have asked for ``logprobs >= 2``)."""
-    gaps = []
-    for lp in output.outputs[0].logprobs:
-        top = sorted((x.logprob for x in lp.values()), reverse=True)
-        gaps.append(top[0] - top[1])
-    return gaps
-
-
-def diverges_off_tie(
-    want: list[int], gaps: list[float], have: list[int], tie: float
-) -> int | None:
-    """Where ``have`` first leaves the greedy output ``want`` at a token whose
-    top-2 gap (``gaps``) is at least ``tie``; ``None`` when the outputs agree,
-    or first differ at a near-tie. In bf16 an exact tie's argmax can go
-    either way between a batched verify and a one-token decode (the outputs
-    after it are different but equally greedy), so only an off-tie
-    divergence is an error."""
-    pairs = enumerate(zip(want, have, strict=False))
-    d = next((i for i, (a, b) in pairs if a != b), None)
-    if d is None and len(want) != len(have):
-        d = min(len(want), len(have))
-    if d is None or (d < len(gaps) and gaps[d] < tie):
-        return None
-    return d
-
-
 def metric(llm: LLM, name: str) -> Any:
     """Value of a counter (summed) or vector metric (``values``) by name."""
     found = [m for m in llm.get_metrics() if m.name == name]

@@ -10,7 +10,10 @@ it (``vllm_ddtree/assets/trained-tiny``, see docs/benchmarks.md), so its
 acceptance statistics are real; the default prompts are code.
 
 With ``--compare`` it also runs the same prompts without speculation and
-reports whether the greedy outputs are identical and the speed ratio.
+reports the speed ratio and, at temperature 0, whether the outputs are
+identical; where they are not, the first differing token and whether it is a
+near-tie of no-spec's log-probabilities (see ``greedy_ties.py``: bf16
+rounding may order such a pair either way) or a real difference.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ class RunResult:
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
+    # Per prompt and generated token, the top-2 log-probability gap (runs
+    # that asked for log-probabilities only).
+    gaps: list[list[float]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -47,8 +53,12 @@ class RunResult:
         return 1.0 + self.accepted / self.drafts if self.drafts else float("nan")
 
 
-def _run(args, prompts: list[str], speculative_config: dict | None) -> RunResult:
+def _run(
+    args, prompts: list[str], speculative_config: dict | None, gaps: bool = False
+) -> RunResult:
     from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.greedy_ties import top2_gaps
 
     llm = LLM(
         model=args.model,
@@ -61,7 +71,10 @@ def _run(args, prompts: list[str], speculative_config: dict | None) -> RunResult
         speculative_config=speculative_config,
     )
     params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True
+        temperature=args.temperature,
+        max_tokens=args.max_tokens,
+        ignore_eos=True,
+        logprobs=2 if gaps else None,
     )
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm
     counters_before = _spec_counters(llm)
@@ -75,8 +88,34 @@ def _run(args, prompts: list[str], speculative_config: dict | None) -> RunResult
         texts=[o.outputs[0].text for o in outputs],
         token_ids=[list(o.outputs[0].token_ids) for o in outputs],
         seconds=seconds,
+        gaps=[top2_gaps(o) for o in outputs] if gaps else None,
         **{k: counters[k] - counters_before[k] for k in counters},
     )
+
+
+def _agreement(args, prompts: list[str], plain: RunResult, tree: RunResult) -> str:
+    """Whether DDTree's greedy outputs are no-spec's, and if not, where and
+    why they part. The log-probabilities that tell a near-tie come from a
+    second no-spec run, made only then (asking for them slows the timed
+    run)."""
+    from vllm_ddtree.greedy_ties import TIE, first_divergence
+
+    if plain.token_ids == tree.token_ids:
+        return "yes"
+    plain = _run(args, prompts, None, gaps=True)
+    assert plain.gaps is not None
+    for i, (want, have, gaps) in enumerate(
+        zip(plain.token_ids, tree.token_ids, plain.gaps, strict=True)
+    ):
+        d = first_divergence(want, have)
+        if d is None:
+            continue
+        gap = gaps[d] if d < len(gaps) else float("nan")
+        where = f"prompt {i}, token {d}: no-spec's top two log-probs {gap:.3f} apart"
+        if gap < TIE:
+            return f"up to a bf16 near-tie ({where}; either token is greedy)"
+        return f"NO ({where}): please report it"
+    return "yes"
 
 
 def _spec_counters(llm) -> dict[str, int]:
@@ -166,7 +205,9 @@ def main(argv=None) -> None:
             ("speedup vs no-spec", f"{plain.seconds / tree.seconds:.2f}x"),
         ]
         if args.temperature == 0:
-            rows.append(("identical to no-spec", plain.token_ids == tree.token_ids))
+            rows.append(
+                ("identical to no-spec", _agreement(args, prompts, plain, tree))
+            )
     width = max(len(name) for name, _ in rows)
     print("DDTree statistics")
     for name, value in rows:
