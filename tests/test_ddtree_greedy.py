@@ -25,6 +25,7 @@ from tests.utils import (
     make_llm,
     metric,
     shutdown_llm,
+    watching_runner,
 )
 
 pytestmark = pytest.mark.slow
@@ -135,26 +136,15 @@ def test_greedy_equals_no_spec_with_async_scheduling(fixtures, reference, budget
 def draft_lengths_per_step() -> Iterator[list[tuple[int, int]]]:
     """Record, for every step of DDTree engines made in this process, the
     number of scheduled requests and the longest draft verified."""
-    from vllm_ddtree.v1.worker.ddtree_model_runner import DDTreeModelRunnerMixin
-
-    prepare = DDTreeModelRunnerMixin._prepare_inputs
     steps: list[tuple[int, int]] = []
 
-    def recorded(self, scheduler_output, *args):
+    def record(runner, scheduler_output) -> None:
         drafts = scheduler_output.scheduled_spec_decode_tokens.values()
-        steps.append(
-            (
-                len(scheduler_output.num_scheduled_tokens),
-                max(map(len, drafts), default=0),
-            )
-        )
-        return prepare(self, scheduler_output, *args)
+        reqs = len(scheduler_output.num_scheduled_tokens)
+        steps.append((reqs, max(map(len, drafts), default=0)))
 
-    DDTreeModelRunnerMixin._prepare_inputs = recorded
-    try:
+    with watching_runner("_prepare_inputs", record):
         yield steps
-    finally:
-        DDTreeModelRunnerMixin._prepare_inputs = prepare
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

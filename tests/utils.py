@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -108,26 +108,39 @@ def cpu_async_scheduling() -> Iterator[None]:
 
 
 @contextmanager
+def watching_runner(method: str, watch: Callable[[Any, Any], None]) -> Iterator[None]:
+    """Call ``watch(runner, scheduler_output)`` before every call of the
+    DDTree runner's ``method`` (one taking the scheduler output first) in
+    DDTree engines made in this process, while the block runs."""
+    from vllm_ddtree.v1.worker.ddtree_model_runner import DDTreeModelRunnerMixin
+
+    original = getattr(DDTreeModelRunnerMixin, method)
+
+    def watched(self, scheduler_output, *args):
+        watch(self, scheduler_output)
+        return original(self, scheduler_output, *args)
+
+    setattr(DDTreeModelRunnerMixin, method, watched)
+    try:
+        yield
+    finally:
+        setattr(DDTreeModelRunnerMixin, method, original)
+
+
+@contextmanager
 def drafts_verified_without_tree() -> Iterator[list[str]]:
     """Collect, for every verify step of DDTree engines made in this
     process, the ids of requests whose drafts had no tree from the last
     proposal. Such drafts are verified as a chain: still lossless, so
     output comparisons cannot notice a lost tree; this list can."""
-    from vllm_ddtree.v1.worker.ddtree_model_runner import DDTreeModelRunnerMixin
-
-    plan_verify = DDTreeModelRunnerMixin._plan_verify
     missing: list[str] = []
 
-    def checked_plan(self, scheduler_output, *args):
+    def check(runner, scheduler_output) -> None:
         drafted = scheduler_output.scheduled_spec_decode_tokens
-        missing.extend(set(drafted) - set(self._tree_rows))
-        return plan_verify(self, scheduler_output, *args)
+        missing.extend(set(drafted) - set(runner._tree_rows))
 
-    DDTreeModelRunnerMixin._plan_verify = checked_plan
-    try:
+    with watching_runner("_plan_verify", check):
         yield missing
-    finally:
-        DDTreeModelRunnerMixin._plan_verify = plan_verify
 
 
 def dflash_config(drafter: str | Path, num_speculative_tokens: int = 15) -> dict:
