@@ -115,6 +115,17 @@ def _reps(ms: float) -> int:
     return max(1, min(10, int(20.0 / max(ms, 1e-3))))
 
 
+def _time(fn, args, warmup_ms: int | None = None, rep_ms: int | None = None):
+    """``(eager ms, ms)``: ``do_bench``'s median, then a CUDA-graph replay
+    (the eager time again under ``--eager``)."""
+    eager = _bench(
+        fn,
+        args.warmup if warmup_ms is None else warmup_ms,
+        args.rep if rep_ms is None else rep_ms,
+    )
+    return eager, eager if args.eager else _bench_graph(fn, _reps(eager))
+
+
 def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device copy bandwidth in bytes/s, counting bytes read plus written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
@@ -189,8 +200,7 @@ def run_config(
         )  # fmt: skip
 
     try:
-        rec["ours_eager_ms"] = eager = _bench(ours, args.warmup, args.rep)
-        ms = _bench_graph(ours, _reps(eager)) if not args.eager else eager
+        rec["ours_eager_ms"], ms = _time(ours, args)
         rec["ours_ms"] = ms
         rec["ours_GBps"] = (kv_bytes + q_bytes) / (ms * 1e-3) / 1e9
         rec["roofline_frac"] = (kv_bytes + q_bytes) / args.copy_bw / (ms * 1e-3)
@@ -221,8 +231,7 @@ def run_config(
                     block_table=block_table, fa_version=3,
                 )  # fmt: skip
 
-            rec["fa3_eager_ms"] = eager = _bench(fa, args.warmup, args.rep)
-            rec["fa3_ms"] = _bench_graph(fa, _reps(eager)) if not args.eager else eager
+            rec["fa3_eager_ms"], rec["fa3_ms"] = _time(fa, args)
         except Exception as exc:
             rec["fa3_error"] = repr(exc)[:300]
 
@@ -282,10 +291,7 @@ def _sweep_tiles(
                 )  # fmt: skip
 
             try:
-                eager = _bench(fn, 5, 20)
-                times[f"{block_m}x{splits}"] = (
-                    _bench_graph(fn, _reps(eager)) if not args.eager else eager
-                )
+                times[f"{block_m}x{splits}"] = _time(fn, args, 5, 20)[1]
             except Exception as exc:  # e.g. out of shared memory
                 print(f"sweep {block_m}x{splits}: {exc!r}"[:200], flush=True)
     return times
@@ -314,8 +320,7 @@ def _time_fa3_tree(
 
     rec = {}
     for name, fn in (("fa3_ctx", fa3_ctx), ("fa3_tree", fa3_tree)):
-        rec[f"{name}_eager_ms"] = eager = _bench(fn, args.warmup, args.rep)
-        rec[f"{name}_ms"] = _bench_graph(fn, _reps(eager)) if not args.eager else eager
+        rec[f"{name}_eager_ms"], rec[f"{name}_ms"] = _time(fn, args)
     fa3_tree()
     rec["fa3_tree_err"] = (merged.float() - ours_out.float()).abs().max().item()
     return rec

@@ -404,13 +404,11 @@ async def soak(args: argparse.Namespace, ddtree: OpenAIServer, reference: OpenAI
         stop.set()
         await sampler
     compared, mismatches = await replay_greedy(reference.url, outcomes, args)
-    report = build_report(
-        args, outcomes, elapsed, rss_warm, rss_end, samples, compared, mismatches
-    )
     servers = {"ddtree": server_health(ddtree), "reference": server_health(reference)}
-    report["checks"]["servers_alive"] = all(h["alive"] for h in servers.values())
-    report["passed"] = all(report["checks"].values())
-    return report | {"servers": servers, "engine": engine_acceptance(ddtree.url)}
+    return build_report(
+        args, outcomes, elapsed, rss_warm, rss_end, samples, compared, mismatches,
+        servers,
+    ) | {"engine": engine_acceptance(ddtree.url)}  # fmt: skip
 
 
 def server_health(server: OpenAIServer) -> dict[str, Any]:
@@ -424,7 +422,7 @@ def server_health(server: OpenAIServer) -> dict[str, Any]:
 
 
 def build_report(
-    args, outcomes, elapsed, rss_warm, rss_end, samples, compared, mismatches
+    args, outcomes, elapsed, rss_warm, rss_end, samples, compared, mismatches, servers
 ) -> dict[str, Any]:
     status = Counter(o.status for o in outcomes)
     tags = Counter(t for o in outcomes for t in o.plan.tags)
@@ -444,6 +442,7 @@ def build_report(
         "no_failed_requests": not failures,
         "rss_growth_within_limit": growth <= allowed,
         "greedy_equals_reference": compared > 0 and not mismatches,
+        "servers_alive": all(h["alive"] for h in servers.values()),
     }
     return {
         "passed": all(checks.values()),
@@ -475,6 +474,7 @@ def build_report(
                 else None
             ),
         },
+        "servers": servers,
         "config": {
             k: v for k, v in vars(args).items() if k not in ("out", "server_arg")
         }

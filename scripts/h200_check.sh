@@ -109,6 +109,12 @@ profile_8b() {  # DDTree B=64, then stock DFlash on the same (V1) runner, profil
   tar czf "$out/profile-8b.tgz" -C /tmp prof-8b
 }
 
+e2e_report() {  # NAME: rebuild /tmp/NAME's table from its finished engines into $OUT
+  python3 benchmarks/bench_e2e.py --out "/tmp/$1" --report-only >/dev/null
+  cp "/tmp/$1/results.json" "$out/$1.json"
+  cp "/tmp/$1/table.md" "$out/$1.md"
+}
+
 train_pair() {  # MINUTES LIMIT: the h200 preset into /tmp/pair-h200
   step train "$2" python3 -m vllm_ddtree.training.train_pair --preset h200 \
     --max-minutes "$1" --out /tmp/pair-h200
@@ -122,9 +128,7 @@ e2e_pair() {
   step "$1" "$2" python3 benchmarks/bench_e2e.py --pair /tmp/pair-h200 \
     --out "/tmp/$1" --methods "$3" --budgets "$4" --batch-sizes "$5" \
     --temperatures 0,1 --job-timeout 200
-  python3 benchmarks/bench_e2e.py --out "/tmp/$1" --report-only >/dev/null
-  cp "/tmp/$1/results.json" "$out/$1.json"
-  cp "/tmp/$1/table.md" "$out/$1.md"
+  e2e_report "$1"
   cp "/tmp/$1"/*.png "$out/" 2>/dev/null
 }
 
@@ -268,9 +272,7 @@ e2e-8b | e2e-8b-flash | e2e-8b-v1 | e2e-8b-async | e2e-8b-async-flash)
   e2e-8b-v1)
     step e2e-8b-v1 "${E2E_LIMIT:-420}" "${e2e_8b[@]}" --methods nospec-v1,dflash-v1 ;;
   esac
-  python3 benchmarks/bench_e2e.py --out "/tmp/$table" --report-only >/dev/null
-  cp "/tmp/$table/results.json" "$out/$table.json"
-  cp "/tmp/$table/table.md" "$out/$table.md"
+  e2e_report "$table"
   ;;
 e2e-hybrid)
   # Qwen3.5-9B-like hybrid (Qwen3-Next layers: 24 GDN + 8 attention, dense
@@ -284,9 +286,7 @@ e2e-hybrid)
     --methods nospec,dflash,ddtree --budgets 64 --fixed-budget \
     --batch-sizes "${E2E_BATCHES:-1,16}" --temperatures 0 --prompt-len 768 \
     --max-tokens 64 --job-timeout 300
-  python3 benchmarks/bench_e2e.py --out /tmp/e2e-hybrid --report-only >/dev/null
-  cp /tmp/e2e-hybrid/results.json "$out/e2e-hybrid.json"
-  cp /tmp/e2e-hybrid/table.md "$out/e2e-hybrid.md"
+  e2e_report e2e-hybrid
   ;;
 profile)
   profile_8b
