@@ -97,10 +97,14 @@ def _speculative_config(job: dict) -> dict | None:
 
 
 def _counters(llm) -> dict[str, Any]:
-    snap: dict[str, Any] = {"drafts": 0, "accepted": 0, "steps": 0, "per_pos": []}
+    snap: dict[str, Any] = {
+        "drafts": 0, "draft_tokens": 0, "accepted": 0, "steps": 0, "per_pos": []
+    }  # fmt: skip
     for m in llm.get_metrics():
         if m.name == "vllm:spec_decode_num_drafts":
             snap["drafts"] += m.value
+        elif m.name == "vllm:spec_decode_num_draft_tokens":
+            snap["draft_tokens"] += m.value
         elif m.name == "vllm:spec_decode_num_accepted_tokens":
             snap["accepted"] += m.value
         elif m.name == "vllm:iteration_tokens_total":
@@ -176,16 +180,19 @@ def run_worker(job: dict) -> list[dict]:
         for batch in job["batch_sizes"]:
             # Warm-up at this shape and sampling mode (lazy compiles, graphs).
             wave(0, batch, temperature, 4)
-            waves = max(1, math.ceil(job["min_requests"] / batch))
+            # At least min_requests requests and min_seconds of wall time: a
+            # row of a few hundred milliseconds is at the mercy of one stall.
+            min_waves = max(1, math.ceil(job["min_requests"] / batch))
             before = _counters(llm)
             start = time.perf_counter()
-            tokens = sum(
-                wave(w * batch, batch, temperature, job["max_tokens"])
-                for w in range(waves)
-            )
+            tokens = waves = 0
+            while waves < min_waves or time.perf_counter() - start < job["min_seconds"]:
+                tokens += wave(waves * batch, batch, temperature, job["max_tokens"])
+                waves += 1
             seconds = time.perf_counter() - start
             after = _counters(llm)
             drafts = after["drafts"] - before["drafts"]
+            draft_tokens = after["draft_tokens"] - before["draft_tokens"]
             accepted = after["accepted"] - before["accepted"]
             steps = after["steps"] - before["steps"]
             per_pos = [
@@ -213,6 +220,9 @@ def run_worker(job: dict) -> list[dict]:
                     "steps": steps,
                     "step_ms": 1e3 * seconds / steps if steps else float("nan"),
                     "drafts": drafts,
+                    # Mean nodes verified per draft: the tree size adaptive
+                    # budgets chose (B for fixed ones, 15 for DFlash).
+                    "nodes_per_draft": draft_tokens / drafts if drafts else 0.0,
                     "accepted": accepted,
                     "tau": 1.0 + accepted / drafts if drafts else 1.0,
                     "accept_hist": _trim_histogram(
@@ -264,8 +274,9 @@ def _fmt(x: float | None, spec: str) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| batch | T | method | B | tok/s | tau | step ms | vs DFlash | vs no-spec |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| batch | T | method | B | nodes | tok/s | tau | step ms | vs DFlash "
+        "| vs no-spec |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     order = {m: i for i, m in enumerate(METHODS)}
     for r in sorted(
@@ -276,11 +287,15 @@ def table(rows: list[dict]) -> str:
             budget = f"{budget} fixed"
         if r.get("flash_context"):
             budget = f"{budget} flash-ctx"
-        tau = r["tau"] if _base_method(r["method"]) != "nospec" else None
+        spec = _base_method(r["method"]) != "nospec"
+        tau = r["tau"] if spec else None
+        # Rows from before the draft-token counter have no nodes_per_draft.
+        nodes = r.get("nodes_per_draft") if spec else None
         method = r["method"] + (" async" if r.get("async_scheduling") else "")
         lines.append(
             f"| {r['batch']} | {r['temperature']:g} | {method} | {budget} "
-            f"| {r['tok_s']:.1f} | {_fmt(tau, '.2f')} | {r['step_ms']:.2f} "
+            f"| {_fmt(nodes, '.1f')} | {r['tok_s']:.1f} | {_fmt(tau, '.2f')} "
+            f"| {r['step_ms']:.2f} "
             f"| {_fmt(r['vs_dflash'], '.2f')} | {_fmt(r['vs_nospec'], '.2f')} |"
         )
     return "\n".join(lines) + "\n"
@@ -403,7 +418,7 @@ def _jobs(args) -> list[dict]:
 def _engine_settings(args) -> dict:
     """Identical for every method; only ``speculative_config`` differs."""
     on_gpu = _on_gpu()
-    widest = max([*args.budgets, DFLASH_DRAFTS]) + 1
+    widest = args.widest + 1
     settings = {
         "dtype": args.dtype,
         "max_model_len": args.max_model_len,
@@ -462,6 +477,12 @@ def main(argv: list[str] | None = None) -> None:
         "--min-requests", type=int, default=16, help="requests per (batch, T)"
     )
     ap.add_argument(
+        "--min-seconds",
+        type=float,
+        default=3.0,
+        help="timed wall time per (batch, T): more waves of requests until it passes",
+    )
+    ap.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -477,6 +498,13 @@ def main(argv: list[str] | None = None) -> None:
         help="vLLM's compilation_config field, for every method (default: vLLM's, "
         "at most 512 tokens; a batch of B-node trees needs batch * (1 + B) to "
         "replay as one full graph)",
+    )
+    ap.add_argument(
+        "--size-for-budget",
+        type=int,
+        help="size the engine settings (max_model_len, max_num_batched_tokens) "
+        "for this budget as well as for --budgets: a grid split over several "
+        "runs keeps one set of settings when each run passes the grid's widest",
     )
     ap.add_argument("--job-timeout", type=int, default=540, help="seconds/engine")
     ap.add_argument(
@@ -529,12 +557,12 @@ def main(argv: list[str] | None = None) -> None:
     # Under async scheduling the host's lengths also count the last step's
     # rejected drafts (up to B more), and the drafter check and the
     # scheduler's cut at max_model_len use them.
-    widest = max([*args.budgets, DFLASH_DRAFTS])
+    args.widest = max([*args.budgets, args.size_for_budget or 0, DFLASH_DRAFTS])
     needed = (
         args.prompt_len
         + args.max_tokens
         + 1
-        + widest * (2 if args.async_scheduling else 1)
+        + args.widest * (2 if args.async_scheduling else 1)
         + 1
         + DFLASH_DRAFTS
     )
@@ -566,6 +594,7 @@ def main(argv: list[str] | None = None) -> None:
             temperatures=args.temperatures,
             max_tokens=args.max_tokens,
             min_requests=args.min_requests,
+            min_seconds=args.min_seconds,
             engine=engine,
             fixed_budget=args.fixed_budget,
             flash_context=args.flash_context,

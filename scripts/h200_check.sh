@@ -28,10 +28,11 @@
 #                                        # E2E_BATCHES=1 for batch 1 only)
 #   bash scripts/h200_check.sh profile # DDTree B=64 and DFlash (V1) steps of dummy Qwen3-8B profiled (~9 min)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
-#   bash scripts/h200_check.sh e2e     # no-spec / dflash / ddtree on that pair (~9 min)
-#   bash scripts/h200_check.sh train-e2e  # both in one call: a 3-minute pair (TRAIN_MINUTES),
-#                                         # then DFlash vs DDTree B=64 at batch 1 (~10 min;
-#                                         # E2E_END: the call's end in seconds, default 585)
+#   bash scripts/h200_check.sh train-e2e  # a 3-minute pair (TRAIN_MINUTES), then the
+#                                         # no-spec and DFlash rows on it (~10 min)
+#   bash scripts/h200_check.sh e2e     # + DDTree B=16 and B=64 rows, same table (~8 min)
+#   bash scripts/h200_check.sh e2e-more  # + DDTree B=256, DFlash on the V1 runner, and the
+#                                        # parity check against the reference (~9 min)
 # (train and e2e, e2e-8b and its -flash / -v1 additions run back to back: /tmp survives
 # only while the machine stays warm.)
 # Every engine runs in a process of its own (in-process engines neither free
@@ -39,7 +40,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|profile|train|e2e|train-e2e}
+mode=${1:?usage: h200_check.sh tests|engines|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|profile|train|train-e2e|e2e|e2e-more}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -121,15 +122,16 @@ train_pair() {  # MINUTES LIMIT: the h200 preset into /tmp/pair-h200
   cp /tmp/pair-h200/training.json "$out/"
 }
 
-# NAME LIMIT METHODS BUDGETS BATCHES: the engines on that pair, into
-# /tmp/NAME and $OUT/NAME.{json,md} (a table per grid: the engine settings
-# depend on the largest batch and budget).
+# LIMIT METHODS BUDGETS: engines on that pair into /tmp/e2e-h200, one table
+# ($OUT/e2e-h200.{json,md}) that grows over the calls. Every call sizes the
+# engines for the grid's widest tree (E2E_SIZE), so the rows of all calls
+# share one set of engine settings and their ratios compare like with like.
 e2e_pair() {
-  step "$1" "$2" python3 benchmarks/bench_e2e.py --pair /tmp/pair-h200 \
-    --out "/tmp/$1" --methods "$3" --budgets "$4" --batch-sizes "$5" \
-    --temperatures 0,1 --job-timeout 200
-  e2e_report "$1"
-  cp "/tmp/$1"/*.png "$out/" 2>/dev/null
+  step "e2e-${2//,/+}-${3//,/+}" "$1" python3 benchmarks/bench_e2e.py --pair /tmp/pair-h200 \
+    --out /tmp/e2e-h200 --methods "$2" --budgets "$3" --batch-sizes 1,16,64 \
+    --size-for-budget "${E2E_SIZE:-256}" --temperatures 0,1 --job-timeout 240
+  e2e_report e2e-h200
+  cp /tmp/e2e-h200/*.png "$out/" 2>/dev/null
 }
 
 # The soak's load on the fixture models (a random drafter: the load, not
@@ -294,20 +296,22 @@ profile)
 train)
   train_pair 8 560
   ;;
-e2e)
-  e2e_pair e2e-h200 450 nospec,dflash,ddtree 16,64,256 1,16,64
-  step parity 120 python3 benchmarks/reference_ddtree.py --pair /tmp/pair-h200 \
-    --parity --budget 32 --num-prompts 16 --max-tokens 128 --out "$out/parity-h200.json"
-  ;;
 train-e2e)
-  # Both in one call: the pair lives in /tmp, and a machine lost between a
-  # `train` and an `e2e` call takes it along (2026-12-03). TRAIN_MINUTES
-  # (default 3) trades the pair's quality for the table's time. Only the
-  # headline comparison, DFlash then DDTree B=64 at batch 1: on a fresh
-  # machine each engine takes 2-3 minutes to start (kernel compilation). A
-  # later `e2e` call on the same machine (/tmp kept) adds the full grid.
+  # The pair lives in /tmp: a machine lost between calls takes it along
+  # (2026-12-03), so training shares its call with the first engines.
+  # TRAIN_MINUTES (default 3) trades the pair's quality for the table's time;
+  # on a fresh machine the first engine also compiles vLLM's kernels (~2 min).
+  # E2E_END: the call's end in seconds (default 585).
   train_pair "${TRAIN_MINUTES:-3}" $((${TRAIN_MINUTES:-3} * 60 + 60))
-  e2e_pair e2e-h200-quick $((${E2E_END:-585} - SECONDS)) dflash,ddtree 64 1
+  e2e_pair $((${E2E_END:-585} - SECONDS)) nospec,dflash 15
+  ;;
+e2e)
+  e2e_pair 480 ddtree 16,64
+  ;;
+e2e-more)
+  e2e_pair 400 ddtree,dflash-v1 256
+  step parity 150 python3 benchmarks/reference_ddtree.py --pair /tmp/pair-h200 \
+    --parity --budget 32 --num-prompts 16 --max-tokens 128 --out "$out/parity-h200.json"
   ;;
 caches)
   # Triton loads a cached kernel from its metadata and binary; the
