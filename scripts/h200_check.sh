@@ -126,10 +126,14 @@ train_pair() {  # MINUTES LIMIT: the h200 preset into /tmp/pair-h200
 # ($OUT/e2e-h200.{json,md}) that grows over the calls. Every call sizes the
 # engines for the grid's widest tree (E2E_SIZE), so the rows of all calls
 # share one set of engine settings and their ratios compare like with like.
+# CUDA graphs up to E2E_CAPTURE tokens (64 trees of 65 nodes; vLLM's default
+# of 512 left DDTree's batch-16 and batch-64 steps, and DFlash's at batch 64,
+# without graphs in the first run, 2026-12-04).
 e2e_pair() {
   step "e2e-${2//,/+}-${3//,/+}" "$1" python3 benchmarks/bench_e2e.py --pair /tmp/pair-h200 \
     --out /tmp/e2e-h200 --methods "$2" --budgets "$3" --batch-sizes 1,16,64 \
-    --size-for-budget "${E2E_SIZE:-256}" --temperatures 0,1 --job-timeout 240
+    --size-for-budget "${E2E_SIZE:-256}" --max-cudagraph-capture-size "${E2E_CAPTURE:-4160}" \
+    --temperatures 0,1 --job-timeout 240
   e2e_report e2e-h200
   cp /tmp/e2e-h200/*.png "$out/" 2>/dev/null
 }

@@ -86,30 +86,56 @@ def test_full_graph_candidate():
     assert choose_budgets(scores, np.array([4, 3]), piecewise, cheap).tolist() == [1, 1]
 
 
-def test_full_graph_grid():
-    """Uniform batches of 1, 2, 4, ... full trees up to what one captured
-    graph holds; none without full decode graphs or off the GPU."""
+def _runner(
+    device="cuda", mode="FULL_AND_PIECEWISE", capture=512, max_num_batched_tokens=8192
+):
+    """The runner fields the CUDA-graph sizing reads (16 sequences, B=64)."""
     from types import SimpleNamespace
 
     from vllm.config import CUDAGraphMode
 
+    return SimpleNamespace(
+        device=SimpleNamespace(type=device),
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=CUDAGraphMode[mode],
+            max_cudagraph_capture_size=capture,
+        ),
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens
+        ),
+        ddtree=SimpleNamespace(budget=64),
+    )
+
+
+def test_full_graph_grid():
+    """Uniform batches of 1, 2, 4, ... full trees up to what one captured
+    graph holds; none without full decode graphs or off the GPU."""
     from vllm_ddtree.v1.worker.ddtree_model_runner import DDTreeModelRunnerMixin
 
-    def grid(device="cuda", mode=CUDAGraphMode.FULL_AND_PIECEWISE, capture=512):
-        runner = SimpleNamespace(
-            device=SimpleNamespace(type=device),
-            compilation_config=SimpleNamespace(
-                cudagraph_mode=mode, max_cudagraph_capture_size=capture
-            ),
-            scheduler_config=SimpleNamespace(
-                max_num_seqs=16, max_num_batched_tokens=8192
-            ),
-            ddtree=SimpleNamespace(budget=64),
-        )
-        return DDTreeModelRunnerMixin._full_graph_grid(runner)
+    def grid(**kwargs):
+        return DDTreeModelRunnerMixin._full_graph_grid(_runner(**kwargs))
 
     assert grid() == [65, 130, 260, 455]  # 7 trees of 65 fit 512 tokens
     assert grid(capture=1040) == [65, 130, 260, 520, 1040]
     assert grid(capture=64) == []
-    assert grid(mode=CUDAGraphMode.PIECEWISE) == []
+    assert grid(mode="PIECEWISE") == []
     assert grid(device="cpu") == []
+
+
+def test_uncaptured_full_batch_hint():
+    """A startup hint names the capture size a full batch of full trees
+    needs (16 x 65 = 1040 tokens), capped by the token budget; silent when
+    it fits, without graphs, or off the GPU."""
+    from vllm_ddtree.v1.worker.ddtree_model_runner import DDTreeModelRunnerMixin
+
+    def hint(**kwargs):
+        return DDTreeModelRunnerMixin.uncaptured_full_batch_hint(_runner(**kwargs))
+
+    message = hint()
+    assert "more than 512 tokens" in message
+    assert "max_cudagraph_capture_size to 1040" in message
+    assert "to 600" in hint(max_num_batched_tokens=600)
+    assert hint(capture=1040) is None
+    assert hint(capture=512, max_num_batched_tokens=512) is None
+    assert hint(mode="NONE") is None
+    assert hint(device="cpu") is None

@@ -486,6 +486,32 @@ class DDTreeModelRunnerMixin:
         reqs = {min(1 << i, max_reqs) for i in range(max_reqs.bit_length() + 1)}
         return [r * n for r in sorted(reqs)]
 
+    def uncaptured_full_batch_hint(self) -> str | None:
+        """What to raise when a full batch of full trees is bigger than the
+        largest captured CUDA graph; None when it fits (or without graphs).
+
+        vLLM sizes ``max_cudagraph_capture_size`` for chains (at most 512
+        tokens by default); a verify batch above it runs without any graph,
+        every layer eagerly, which on a small target costs more than the
+        forward itself."""
+        mode = self.compilation_config.cudagraph_mode
+        if self.device.type != "cuda" or mode is None or mode == CUDAGraphMode.NONE:
+            return None
+        full_batch = min(
+            self.scheduler_config.max_num_seqs * (1 + self.ddtree.budget),
+            self.scheduler_config.max_num_batched_tokens,
+        )
+        capture = self.compilation_config.max_cudagraph_capture_size or 0
+        if capture >= full_batch:
+            return None
+        return (
+            f"DDTree verify batches of more than {capture} tokens run without "
+            f"CUDA graphs (compilation_config.max_cudagraph_capture_size); a "
+            f"full batch of full trees is {full_batch} tokens (max_num_seqs x "
+            f"(1 + num_speculative_tokens)): set max_cudagraph_capture_size to "
+            f"{full_batch} to capture it"
+        )
+
     def _latency_model(
         self, grid: list[int], repeats: int, uniform_decode: bool = False
     ) -> LatencyModel:
@@ -528,6 +554,8 @@ class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
             compile_variants as compile_core_variants,
         )
 
+        if hint := self.uncaptured_full_batch_hint():
+            logger.info(hint)
         cfg = self.ddtree
         compile_core_variants(
             self.device,
