@@ -44,15 +44,22 @@ mode=${1:?usage: h200_check.sh tests|engines|async|graphs|sampling|serve|soak|so
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# Compiled Triton kernels, Triton's autotuning timings and vLLM's compile
-# cache outlive the machine: `caches` packs them into $OUT; put those files
-# in .device-cache/ (git-excluded) and carry it, and the next machine unpacks
-# them before anything compiles (the FLA kernels' autotuning alone takes
-# ~200 s, the V2 runner's first warm-up ~120 s).
+# Compiled Triton kernels, Triton's autotuning timings, FlashInfer's JIT
+# builds and vLLM's compile cache outlive the machine: `caches` packs them
+# into $OUT as parts of at most 15 MiB (NAME.tgz.part-NN); for the next
+# machine (a lost or idle-released one is bare), put those files in
+# .device-cache/ (git-excluded) and carry them, a part or two beside each
+# staging part (a call carries 64 MiB); carried files stay for the next call
+# on the same machine, and the first call that finds all parts of a cache
+# unpacks it before anything compiles (the FLA kernels' autotuning alone
+# takes ~200 s, the first engine's warm-up on a fresh machine ~100 s).
 export TRITON_CACHE_AUTOTUNING=1
-for cache in .device-cache/*.tgz; do
-  [ -f "$cache" ] || continue
-  tar xzf "$cache" -C "$HOME" || echo "could not unpack $cache"
+for first in .device-cache/*.part-00; do
+  [ -f "$first" ] || continue
+  name=${first%.part-00}
+  [ -f "$HOME/.unpacked-${name##*/}" ] && continue
+  cat "$name".part-* | tar xzf - -C "$HOME" && touch "$HOME/.unpacked-${name##*/}" ||
+    echo "could not unpack $name (a part missing?)"
 done
 # Wheels the staged bundle lacks: truststore, which the openai client's
 # httpx2 imports (the soak's clients died on it, 2026-12-03). Put them in
@@ -319,12 +326,23 @@ e2e-more)
   ;;
 caches)
   # Triton loads a cached kernel from its metadata and binary; the
-  # intermediate IRs stay behind. One file per cache: a returned file holds
-  # at most 16 MiB, and one over it would take the other cache along.
-  tar czf "$out/caches-triton.tgz" -C "$HOME" --exclude='*.ptx' --exclude='*.ttir' \
-    --exclude='*.ttgir' --exclude='*.llir' --exclude='*.source' .triton/cache 2>/dev/null
-  tar czf "$out/caches-vllm.tgz" -C "$HOME" .cache/vllm 2>/dev/null
-  du -sh "$HOME/.triton/cache" "$HOME/.cache/vllm" "$out"/caches-*.tgz
+  # intermediate IRs stay behind (FlashInfer's build tree stays whole: its
+  # JIT reruns ninja over it). Kernels (Triton, FlashInfer) and vLLM's
+  # compile cache go in separate archives: the kernels are what every engine
+  # reuses, vLLM's cache hits only for the same model and settings, so it is
+  # left out when the parts would pass the 7 files a call can return here.
+  tar czf /tmp/caches-kernels.tgz -C "$HOME" --exclude='*.ptx' --exclude='*.ttir' \
+    --exclude='*.ttgir' --exclude='*.llir' --exclude='*.source' \
+    .triton/cache .cache/flashinfer 2>/dev/null
+  tar czf /tmp/caches-vllm.tgz -C "$HOME" .cache/vllm 2>/dev/null
+  split -b 15M -d /tmp/caches-kernels.tgz "$out/caches-kernels.tgz.part-"
+  parts=$(( $(stat -c %s /tmp/caches-vllm.tgz) / (15 << 20) + 1 ))
+  if [ $(( $(ls "$out" | wc -l) + parts )) -le 7 ]; then
+    split -b 15M -d /tmp/caches-vllm.tgz "$out/caches-vllm.tgz.part-"
+  fi
+  du -sh "$HOME/.triton/cache" "$HOME/.cache/flashinfer" "$HOME/.cache/vllm" \
+    /tmp/caches-*.tgz 2>/dev/null
+  ls -l "$out"
   ;;
 *)
   echo "unknown mode $mode" >&2
