@@ -26,6 +26,7 @@
 #   bash scripts/h200_check.sh e2e-8b-async-flash  # + DDTree with ddtree.flash_context, same table (~4 min)
 #   bash scripts/h200_check.sh e2e-hybrid  # dummy Qwen3.5-9B-like hybrid: no-spec / DFlash / DDTree (~9 min;
 #                                        # E2E_BATCHES=1 for batch 1 only)
+#   bash scripts/h200_check.sh e2e-30b  # the same on dummy Qwen3-30B-A3B (MoE) (~9 min)
 #   bash scripts/h200_check.sh profile # DDTree B=64 and DFlash (V1) steps of dummy Qwen3-8B profiled (~9 min)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
 #   bash scripts/h200_check.sh train-e2e  # a 3-minute pair (TRAIN_MINUTES), then the
@@ -40,7 +41,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|profile|train|train-e2e|e2e|e2e-more}
+mode=${1:?usage: h200_check.sh tests|engines|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|e2e-30b|profile|train|train-e2e|e2e|e2e-more}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -121,6 +122,19 @@ e2e_report() {  # NAME: rebuild /tmp/NAME's table from its finished engines into
   python3 benchmarks/bench_e2e.py --out "/tmp/$1" --report-only >/dev/null
   cp "/tmp/$1/results.json" "$out/$1.json"
   cp "/tmp/$1/table.md" "$out/$1.md"
+}
+
+# TABLE CONFIG [ARGS...]: no-spec / DFlash / DDTree B=64 (fixed) step costs of
+# benchmarks/configs/CONFIG with dummy weights, into $OUT/TABLE.{json,md}.
+# E2E_LIMIT: seconds for the whole table (when it shares a call); the engines
+# that finished are reported either way. E2E_BATCHES=1 for batch 1 only.
+e2e_dummy() {
+  step "$1" "${E2E_LIMIT:-590}" python3 benchmarks/bench_e2e.py --out "/tmp/$1" \
+    --target "benchmarks/configs/$2" --drafter "benchmarks/configs/$2-dflash" \
+    --load-format dummy --methods nospec,dflash,ddtree --budgets 64 --fixed-budget \
+    --batch-sizes "${E2E_BATCHES:-1,16}" --temperatures 0 --prompt-len 768 \
+    --max-tokens 64 --job-timeout 300 "${@:3}"
+  e2e_report "$1"
 }
 
 train_pair() {  # MINUTES LIMIT: the h200 preset into /tmp/pair-h200
@@ -291,15 +305,11 @@ e2e-hybrid)
   # Qwen3.5-9B-like hybrid (Qwen3-Next layers: 24 GDN + 8 attention, dense
   # MLPs), dummy weights: a tree verify step vs a chain verify step. The
   # first engine of a fresh machine also autotunes the FLA kernels (~200 s).
-  # E2E_LIMIT: seconds for the whole table (when it shares a call); the
-  # engines that finished are reported either way.
-  step e2e-hybrid "${E2E_LIMIT:-590}" python3 benchmarks/bench_e2e.py --out /tmp/e2e-hybrid \
-    --target benchmarks/configs/qwen3next-9b \
-    --drafter benchmarks/configs/qwen3next-9b-dflash --load-format dummy \
-    --methods nospec,dflash,ddtree --budgets 64 --fixed-budget \
-    --batch-sizes "${E2E_BATCHES:-1,16}" --temperatures 0 --prompt-len 768 \
-    --max-tokens 64 --job-timeout 300
-  e2e_report e2e-hybrid
+  e2e_dummy e2e-hybrid qwen3next-9b
+  ;;
+e2e-30b)
+  # Qwen3-30B-A3B (MoE, 3B active), dummy weights: ~61 GB to initialise.
+  e2e_dummy e2e-30b qwen3-30b-a3b --max-cudagraph-capture-size 1040
   ;;
 profile)
   profile_8b
