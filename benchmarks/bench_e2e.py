@@ -415,10 +415,27 @@ def _jobs(args) -> list[dict]:
     return jobs
 
 
+def _widest(args) -> int:
+    """The widest draft an engine of this run, or of the grid the run is a
+    part of (``--size-for-budget``), verifies."""
+    return max([*args.budgets, args.size_for_budget or 0, DFLASH_DRAFTS])
+
+
+def _tokens_needed(args) -> int:
+    """Positions a request reaches: its last step verifies the widest tree
+    (1 + B tokens) and then drafts (1 + depth queries), and vLLM skips the
+    drafter when those would not fit. Under async scheduling the host's
+    lengths also count the last step's rejected drafts (up to B more), and
+    the drafter check and the scheduler's cut at ``max_model_len`` use
+    them."""
+    tree = _widest(args) * (2 if args.async_scheduling else 1)
+    return args.prompt_len + args.max_tokens + 1 + tree + 1 + DFLASH_DRAFTS
+
+
 def _engine_settings(args) -> dict:
     """Identical for every method; only ``speculative_config`` differs."""
     on_gpu = _on_gpu()
-    widest = args.widest + 1
+    widest = _widest(args) + 1
     settings = {
         "dtype": args.dtype,
         "max_model_len": args.max_model_len,
@@ -552,20 +569,7 @@ def main(argv: list[str] | None = None) -> None:
     elif not (args.target and args.drafter):
         ap.error("--load-format dummy needs --target and --drafter config dirs")
 
-    # The last step verifies the widest tree (1 + B tokens) and then drafts
-    # (1 + depth queries): vLLM skips the drafter when those would not fit.
-    # Under async scheduling the host's lengths also count the last step's
-    # rejected drafts (up to B more), and the drafter check and the
-    # scheduler's cut at max_model_len use them.
-    args.widest = max([*args.budgets, args.size_for_budget or 0, DFLASH_DRAFTS])
-    needed = (
-        args.prompt_len
-        + args.max_tokens
-        + 1
-        + args.widest * (2 if args.async_scheduling else 1)
-        + 1
-        + DFLASH_DRAFTS
-    )
+    needed = _tokens_needed(args)
     if args.max_model_len is None:
         args.max_model_len = needed + 1
     elif args.max_model_len <= needed:

@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The end-to-end benchmark's bookkeeping (benchmarks/bench_e2e.py), no
+engine: acceptance histograms, ratios, the table, and how engine settings
+are sized so that a grid split over several runs keeps one set of them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.bench_e2e import (
+    DFLASH_DRAFTS,
+    _engine_settings,
+    _tokens_needed,
+    acceptance_histogram,
+    add_ratios,
+    table,
+)
+from vllm_ddtree.fixtures import TRAINED_TINY_DIR
+
+
+def test_acceptance_histogram_counts_rounds_by_length():
+    # 10 rounds; 5 accepted at least one draft, 3 at least two, 1 all three.
+    hist = acceptance_histogram([5, 3, 1], drafts=10)
+    assert hist == [5, 2, 2, 1]
+    assert sum(hist) == 10
+
+
+def _row(method, tok_s, budget=None, **extra):
+    return {
+        "method": method, "budget": budget, "batch": 1, "temperature": 0.0,
+        "tok_s": tok_s, "tau": 3.0, "step_ms": 5.0, "adaptive_budget": True,
+        **extra,
+    }  # fmt: skip
+
+
+def test_ratios_and_table():
+    rows = add_ratios(
+        [
+            _row("nospec", 100.0),
+            _row("dflash", 200.0, DFLASH_DRAFTS, nodes_per_draft=15.0),
+            _row("ddtree", 300.0, 64, nodes_per_draft=37.5),
+            # A row written before the draft-token counter existed.
+            _row("ddtree", 250.0, 16),
+        ]
+    )
+    assert [r["vs_dflash"] for r in rows] == [0.5, 1.0, 1.5, 1.25]
+    assert [r["vs_nospec"] for r in rows] == [1.0, 2.0, 3.0, 2.5]
+    lines = table(rows).splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[4] == "nodes"
+    cells = {
+        (r[2], r[3]): r[4]
+        for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
+    }
+    assert cells == {
+        ("nospec", "-"): "-",
+        ("dflash", "-"): "15.0",
+        ("ddtree", "64"): "37.5",
+        ("ddtree", "16"): "-",
+    }
+
+
+def _args(budgets, size_for_budget=None, async_scheduling=False):
+    return SimpleNamespace(
+        budgets=budgets, size_for_budget=size_for_budget,
+        async_scheduling=async_scheduling, prompt_len=64, max_tokens=128,
+        batch_sizes=[1, 16, 64], max_model_len=None, dtype="bfloat16",
+        enforce_eager=True, gpu_memory_utilization=None, load_format="auto",
+        target=str(TRAINED_TINY_DIR / "target"), max_cudagraph_capture_size=None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_split_grid_keeps_one_set_of_engine_settings(async_scheduling):
+    """Runs of one grid (baselines, small budgets, the widest budget) size
+    their engines alike when each passes the grid's widest budget."""
+    runs = [_args([15], 256), _args([16, 64], 256), _args([256], 256)]
+    settings = []
+    for args in runs:
+        args.async_scheduling = async_scheduling
+        args.max_model_len = _tokens_needed(args) + 1
+        settings.append(_engine_settings(args))
+    assert settings[0] == settings[1] == settings[2]
+    tree = 256 * (2 if async_scheduling else 1)
+    assert settings[0]["max_model_len"] == 64 + 128 + 1 + tree + 1 + 15 + 1
+    assert settings[0]["max_num_batched_tokens"] == 64 * 257
+    # Without it, each run sizes for its own widest draft.
+    alone = _args([16, 64])
+    alone.max_model_len = _tokens_needed(alone) + 1
+    assert _engine_settings(alone)["max_num_batched_tokens"] == 64 * 65
