@@ -139,3 +139,28 @@ def test_uncaptured_full_batch_hint():
     assert hint(capture=512, max_num_batched_tokens=512) is None
     assert hint(mode="NONE") is None
     assert hint(device="cpu") is None
+
+
+def test_latency_model_takes_the_median_of_its_runs(monkeypatch):
+    """One slow run at a token count (a host stall) does not move the model,
+    and the model never makes a larger batch look cheaper."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.v1.worker import ddtree_model_runner as runner_module
+
+    clock = [0.0]
+    # Per token count: the warm-up run, then the timed runs (ms).
+    durations = {
+        8: [50, 2, 2, 20, 2, 2],
+        16: [50, 3, 3, 3, 30, 3],
+        32: [50, 1, 1, 1, 1, 1],
+    }
+    calls = {n: iter(d) for n, d in durations.items()}
+
+    def dummy_run(num_tokens, uniform_decode=False):
+        clock[0] += next(calls[num_tokens]) * 1e-3
+
+    monkeypatch.setattr(runner_module.time, "perf_counter", lambda: clock[0])
+    runner = SimpleNamespace(_dummy_run=dummy_run, device=SimpleNamespace(type="cpu"))
+    model = runner_module.DDTreeModelRunnerMixin._latency_model(runner, [8, 16, 32], 5)
+    assert np.allclose(model.seconds, [2e-3, 3e-3, 3e-3])
