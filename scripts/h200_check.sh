@@ -34,6 +34,8 @@
 #   bash scripts/h200_check.sh e2e     # + DDTree B=16 and B=64 rows, same table (~8 min)
 #   bash scripts/h200_check.sh e2e-more  # + DDTree B=256, DFlash on the V1 runner, and the
 #                                        # parity check against the reference (~9 min)
+#   bash scripts/h200_check.sh e2e-async  # no-spec / DFlash / DDTree B=64 on the pair, all
+#                                         # async-scheduled, a table of its own (~9 min)
 # (train and e2e, e2e-8b and its -flash / -v1 additions run back to back: /tmp survives
 # only while the machine stays warm.)
 # Every engine runs in a process of its own (in-process engines neither free
@@ -41,7 +43,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|e2e-30b|profile|train|train-e2e|e2e|e2e-more}
+mode=${1:?usage: h200_check.sh tests|engines|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -143,20 +145,20 @@ train_pair() {  # MINUTES LIMIT: the h200 preset into /tmp/pair-h200
   cp /tmp/pair-h200/training.json "$out/"
 }
 
-# LIMIT METHODS BUDGETS: engines on that pair into /tmp/e2e-h200, one table
-# ($OUT/e2e-h200.{json,md}) that grows over the calls. Every call sizes the
-# engines for the grid's widest tree (E2E_SIZE), so the rows of all calls
+# LIMIT TABLE METHODS BUDGETS [ARGS...]: engines on that pair into /tmp/TABLE,
+# one table ($OUT/TABLE.{json,md}) that grows over the calls. Every call sizes
+# the engines for the grid's widest tree (E2E_SIZE), so the rows of all calls
 # share one set of engine settings and their ratios compare like with like.
 # CUDA graphs up to E2E_CAPTURE tokens (64 trees of 65 nodes; vLLM's default
 # of 512 left DDTree's batch-16 and batch-64 steps, and DFlash's at batch 64,
 # without graphs in the first run, 2026-12-04).
 e2e_pair() {
-  step "e2e-${2//,/+}-${3//,/+}" "$1" python3 benchmarks/bench_e2e.py --pair /tmp/pair-h200 \
-    --out /tmp/e2e-h200 --methods "$2" --budgets "$3" --batch-sizes 1,16,64 \
+  step "$2-${3//,/+}-${4//,/+}" "$1" python3 benchmarks/bench_e2e.py --pair /tmp/pair-h200 \
+    --out "/tmp/$2" --methods "$3" --budgets "$4" --batch-sizes 1,16,64 \
     --size-for-budget "${E2E_SIZE:-256}" --max-cudagraph-capture-size "${E2E_CAPTURE:-4160}" \
-    --temperatures 0,1 --job-timeout 240
-  e2e_report e2e-h200
-  cp /tmp/e2e-h200/*.png "$out/" 2>/dev/null
+    --temperatures 0,1 --job-timeout 240 "${@:5}"
+  e2e_report "$2"
+  cp "/tmp/$2"/*.png "$out/" 2>/dev/null
 }
 
 # The soak's load on the fixture models (a random drafter: the load, not
@@ -324,15 +326,20 @@ train-e2e)
   # on a fresh machine the first engine also compiles vLLM's kernels (~2 min).
   # E2E_END: the call's end in seconds (default 585).
   train_pair "${TRAIN_MINUTES:-3}" $((${TRAIN_MINUTES:-3} * 60 + 60))
-  e2e_pair $((${E2E_END:-585} - SECONDS)) nospec,dflash 15
+  e2e_pair $((${E2E_END:-585} - SECONDS)) e2e-h200 nospec,dflash 15
   ;;
 e2e)
-  e2e_pair 480 ddtree 16,64
+  e2e_pair 480 e2e-h200 ddtree 16,64
   ;;
 e2e-more)
-  e2e_pair 400 ddtree,dflash-v1 256
+  e2e_pair 400 e2e-h200 ddtree,dflash-v1 256
   step parity 150 python3 benchmarks/reference_ddtree.py --pair /tmp/pair-h200 \
     --parity --budget 32 --num-prompts 16 --max-tokens 128 --out "$out/parity-h200.json"
+  ;;
+e2e-async)
+  # The pair under vLLM's async scheduling (host work overlaps the GPU's),
+  # every method: DDTree with fixed budgets; a table of its own.
+  e2e_pair 560 e2e-h200-async nospec,dflash,ddtree 64 --async-scheduling --fixed-budget
   ;;
 caches)
   # Triton loads a cached kernel from its metadata and binary; the
