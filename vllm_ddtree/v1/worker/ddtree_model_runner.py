@@ -520,8 +520,8 @@ class DDTreeModelRunnerMixin:
         cheaper), logged. The median, not the mean: these runs are short
         and, off the CUDA-graph sizes, mostly host time; the mean of three
         at 1,024 tokens read 5.9 ms at one start of an engine on the H200
-        and 8.5 ms at another of the same engine, and the budgets chosen from
-        it (and the step time) followed."""
+        and 8.5 ms at another of the same engine (whose batch-16 steps then
+        differed by 1.7x, the budgets being chosen from it)."""
         seconds = []
         for num_tokens in grid:
             # warm-up (and any lazy init)
