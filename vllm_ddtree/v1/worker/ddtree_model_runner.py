@@ -508,8 +508,8 @@ class DDTreeModelRunnerMixin:
             f"DDTree verify batches of more than {capture} tokens run without "
             f"CUDA graphs (compilation_config.max_cudagraph_capture_size); a "
             f"full batch of full trees is {full_batch} tokens (max_num_seqs x "
-            f"(1 + num_speculative_tokens)): set max_cudagraph_capture_size to "
-            f"{full_batch} to capture it"
+            f"(1 + num_speculative_tokens), at most max_num_batched_tokens): set "
+            f"max_cudagraph_capture_size to {full_batch} to capture it"
         )
 
     def _latency_model(
