@@ -97,6 +97,8 @@ def _attend_tile(
     qk_scale,
     PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -143,14 +145,26 @@ def _attend_tile(
         j = pos - ctx_len  # tree-node index of the key (negative: context)
         is_tree = (j >= 0) & in_range
         jj = tl.maximum(j, 0)
-        w_ptrs = (
-            tm_ptr
-            + (mask_row0 + node).to(tl.int64)[:, None] * stride_tmr
-            + (jj // 32)[None, :] * stride_tmw
-        )
-        words = tl.load(w_ptrs, mask=row_valid[:, None] & is_tree[None, :], other=0)
+        # The tile's tree keys lie in at most BLOCK_N // 32 + 1 consecutive
+        # mask words of each row: load those per row and spread them over
+        # the key columns, rather than gathering a word per (row, key),
+        # which reads each word 32 times.
+        w_first = tl.maximum(start - ctx_len, 0) // 32
+        w_rel = jj // 32 - w_first
+        row_ptr = tm_ptr + (mask_row0 + node).to(tl.int64) * stride_tmr
+        n_words = tl.cdiv(total_len - ctx_len, 32)
+        words = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        for w in tl.static_range(BLOCK_N // 32 + 1):
+            word = tl.load(
+                row_ptr + (w_first + w) * stride_tmw,
+                mask=row_valid & (w_first + w < n_words),
+                other=0,
+            )
+            words = tl.where((w_rel == w)[None, :], word[:, None], words)
         bit = (words >> (jj % 32)[None, :]) & 1
-        visible = ((pos < ctx_len) & in_range)[None, :] | (bit != 0)
+        visible = ((pos < ctx_len) & in_range)[None, :] | (
+            (bit != 0) & is_tree[None, :]
+        )
         s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -320,7 +334,7 @@ def _tree_attn_fwd_kernel(
             mask_row0, offs_n, offs_d, bt_row_ptr, stride_btc, k_base, v_base,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
             TREE_MASK, stride_tmr, stride_tmw, qk_scale,
-            PAGE, HEAD_DIM, BLOCK_D, False, DOT_PREC, DOT_UPCAST,
+            PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, DOT_PREC, DOT_UPCAST,
         )  # fmt: skip
     if split == tail_split:
         # Node i only sees tree nodes j <= i (ancestors precede descendants),
@@ -332,7 +346,8 @@ def _tree_attn_fwd_kernel(
                 mask_row0, offs_n, offs_d, bt_row_ptr, stride_btc, k_base,
                 v_base, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
                 stride_vd, TREE_MASK, stride_tmr, stride_tmw, qk_scale,
-                PAGE, HEAD_DIM, BLOCK_D, True, DOT_PREC, DOT_UPCAST,
+                PAGE, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, DOT_PREC,
+                DOT_UPCAST,
             )  # fmt: skip
 
     has_mass = l_i > 0.0
