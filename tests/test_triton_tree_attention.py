@@ -344,6 +344,14 @@ CASES: dict[str, tuple] = {
     "fp16_d32_p16_maxnodes_slack": (
         [(3, 64), (64, 63)], 16, 2, 2, 32, "float16", True, {"extra": 5},
     ),
+    # Key tiles of 32 (head dim 256) and of 128 (forced 128-row query
+    # tiles): the mask words a tile spans, 2 and 5 of them.
+    "bf16_d256_p16_keys32": (
+        [(5, 40), (37, 3)], 16, 2, 1, 256, "bfloat16", True, {},
+    ),
+    "fp16_d32_p16_keys128": (
+        [(70, 150), (3, 20)], 16, 2, 1, 32, "float16", True, {"block_m": 128},
+    ),
 }  # fmt: skip
 
 
