@@ -560,8 +560,6 @@ class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
             compile_variants as compile_core_variants,
         )
 
-        if hint := self.uncaptured_full_batch_hint():
-            logger.info(hint)
         cfg = self.ddtree
         compile_core_variants(
             self.device,

@@ -77,6 +77,8 @@ class DDTreeWorkerMixin:
         # tree kernels' compiles belong to start-up, not to serving. The KV
         # caches they run on are allocated by now.
         self.model_runner.warm_up_tree_kernels()
+        if hint := self.model_runner.uncaptured_full_batch_hint():
+            logger.info(hint)
         times = super().compile_or_warm_up_model()
         # After CUDA-graph capture, so the model times what decoding runs.
         if self.model_runner.ddtree.adaptive_budget:
