@@ -34,23 +34,28 @@ def _depth_bound(parents: torch.Tensor) -> int:
     return int(depth.max())
 
 
-def _published(parents: torch.Tensor, ctx: list[int]) -> TreeAttentionInfo:
-    """The runner's per-step metadata for a batch made of these trees."""
+def _published(
+    parents: torch.Tensor, ctx: list[int], rows: list[int] | None = None
+) -> TreeAttentionInfo:
+    """The runner's per-step metadata for trees at batch ``rows`` (default:
+    a batch made of these trees), each of those requests' context in
+    ``ctx``."""
     num_reqs = parents.shape[0]
-    q_start = [r * N for r in range(num_reqs)]
+    rows = list(range(num_reqs)) if rows is None else rows
+    q_start = [r * N for r in rows]
     as_i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     return TreeAttentionInfo(
-        req_rows=as_i32(list(range(num_reqs))),
+        req_rows=as_i32(rows),
         q_start=as_i32(q_start),
         num_nodes=as_i32([N] * num_reqs),
         ctx_len=as_i32(ctx),
         parents=parents,
         max_depth=_depth_bound(parents),
-        req_rows_cpu=list(range(num_reqs)),
+        req_rows_cpu=rows,
         q_start_cpu=q_start,
         num_nodes_cpu=[N] * num_reqs,
         ctx_len_cpu=ctx,
-        covers_batch=True,
+        covers_batch=rows == list(range(len(ctx))),
     )
 
 
@@ -126,21 +131,46 @@ def test_fill_without_a_tree_is_causal():
     assert info.parents[0].tolist() == list(range(-1, N - 1))
 
 
-def test_fill_rejects_trees_that_are_not_uniform():
+def test_fill_rejects_trees_of_another_size():
     buffers = UniformTreeBuffers(3, N, 64, torch.device("cpu"))
     tree = _published(_random_parents(2, torch.Generator()), [5, 9])
     tree.num_nodes_cpu = [N, N - 2]
-    with pytest.raises(ValueError, match="uniform"):
+    with pytest.raises(ValueError, match=f"must have {N} nodes each"):
         buffers.fill(2, _seq_lens([5, 9], 0), tree)
-    # Trees that are not the batch's first requests in order.
-    tree = _published(_random_parents(2, torch.Generator()), [5, 9])
-    tree.req_rows_cpu = [1, 0]
-    with pytest.raises(ValueError, match="uniform"):
-        buffers.fill(2, _seq_lens([5, 9], 0), tree)
+
+
+def test_fill_puts_trees_beside_n_token_prompts_at_their_rows():
+    """A prompt (or prefill chunk) of exactly ``N`` tokens beside trees still
+    makes a uniform batch (the 2026-12-04 H200 soak's engine died on one):
+    its rows are chains, the trees' masks land at their own rows, whatever
+    the buffers held before."""
+    gen = torch.Generator().manual_seed(2)
+    parents = _random_parents(2, gen)
+    buffers = UniformTreeBuffers(5, N, 64, torch.device("cpu"))
+    buffers.mask.fill_(-1)
+    for rows in ([1, 3], [2, 0], [1, 0]):
+        tree = _published(parents, [5, 9], rows)
+        info = buffers.fill(4, _seq_lens([0, 5, 7, 9], 0), tree)
+        assert info.covers_batch and info.max_depth == N - 1
+        chain, _ = pack_ancestor_mask(
+            torch.ones(N, N, dtype=torch.bool).tril()[None], [N]
+        )
+        want, _ = tree.packed_mask
+        packed = info.packed_mask[0].view(4, N, -1)
+        for r in range(4):
+            expected = want.view(2, N, -1)[rows.index(r)] if r in rows else chain
+            assert torch.equal(packed[r], expected), (rows, r)
+            expected = parents[rows.index(r)] if r in rows else torch.arange(N) - 1
+            assert info.parents[r].tolist() == expected.tolist(), (rows, r)
+        assert bool((buffers.mask[4 * N :] == -1).all())
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_uniform_metadata_gives_the_same_attention(seed):
+@pytest.mark.parametrize("tree_rows", [None, [2, 0]])
+def test_uniform_metadata_gives_the_same_attention(seed, tree_rows):
+    """Same attention as the runner's metadata; with ``tree_rows``, only
+    those requests are trees and the rest ``N``-token prompts, whose
+    reference is a chain tree (causal attention)."""
     gen = torch.Generator().manual_seed(seed)
     num_reqs, heads, kv_heads, dim = 3, 4, 2, 8
     ctx = torch.randint(0, 30, (num_reqs,), generator=gen).tolist()
@@ -157,7 +187,15 @@ def test_uniform_metadata_gives_the_same_attention(seed):
     parents = _random_parents(num_reqs, gen)
     tree = _published(parents, ctx)
     uniform = UniformTreeBuffers(4, N, blocks_per_req * PAGE, torch.device("cpu"))
-    info = uniform.fill(num_reqs, _seq_lens(ctx, 0), tree)
+    published = tree
+    if tree_rows is not None:
+        prompts = [r for r in range(num_reqs) if r not in tree_rows]
+        parents[prompts] = torch.arange(N) - 1
+        tree = _published(parents, ctx)
+        published = _published(
+            parents[tree_rows], [ctx[r] for r in tree_rows], tree_rows
+        )
+    info = uniform.fill(num_reqs, _seq_lens(ctx, 0), published)
 
     outs = []
     for meta in (tree, info):

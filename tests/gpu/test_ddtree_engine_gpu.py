@@ -132,6 +132,50 @@ def test_small_max_num_seqs_with_cuda_graphs(fixtures, expected):
             shutdown_llm(llm)
 
 
+def test_trees_beside_prompts_of_tree_size(fixtures, monkeypatch):
+    """Prompts of exactly ``1 + B`` tokens admitted while other requests
+    verify trees make uniform batches that are not all trees (the H200 soak's
+    engine died on one on 2026-12-04). Staggered lengths and three slots for
+    eight requests admit them one or two at a time beside running trees."""
+    from vllm_ddtree.v1.attention.backends.tree_attn import UniformTreeBuffers
+
+    mixed = []
+    inner = UniformTreeBuffers.fill
+
+    def recorded(self, num_reqs, seq_lens, tree):
+        if tree is not None and not tree.covers_batch:
+            mixed.append(num_reqs)
+        return inner(self, num_reqs, seq_lens, tree)
+
+    monkeypatch.setattr(UniformTreeBuffers, "fill", recorded)
+    budget = 8
+    n = 1 + budget
+    prompts = [[(13 * i + 5 * j) % 300 + 5 for j in range(n)] for i in range(8)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16 + 8 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+
+    def generate(llm: LLM) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params)]
+
+    llm = _engine(fixtures.dense_target, enforce_eager=True)
+    try:
+        want = generate(llm)
+    finally:
+        shutdown_llm(llm)
+    oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, want, strict=True)})
+    spec = ddtree_config(fixtures.dense_drafter, budget)
+    with oracle_drafter(oracle):
+        llm = _engine(fixtures.dense_target, False, spec=spec, max_num_seqs=3)
+        try:
+            assert generate(llm) == want
+        finally:
+            shutdown_llm(llm)
+    assert mixed  # such a batch did run
+
+
 def test_stock_dflash_still_works_on_gpu(fixtures, expected):
     spec = dflash_config(fixtures.dense_drafter)
     llm = _engine(fixtures.dense_target, enforce_eager=False, spec=spec)

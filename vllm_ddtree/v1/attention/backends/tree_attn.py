@@ -210,22 +210,36 @@ class UniformTreeBuffers:
         ctx = self.ctx_len[:num_reqs]
         torch.sub(seq_lens[:num_reqs], n, out=ctx)
         ctx.clamp_(min=0)
-        if tree is None:
-            self.mask[: num_reqs * n].copy_(self.chain_mask[: num_reqs * n])
-            parents, max_depth = self.chain_parents[:num_reqs], n - 1
-        else:
-            num_trees = len(tree.num_nodes_cpu)
-            if (
-                not tree.covers_batch
-                or set(tree.num_nodes_cpu) != {n}
-                or tree.req_rows_cpu != list(range(num_trees))
-            ):
-                raise ValueError("the published trees do not make a uniform batch")
-            # The tree's rows are the batch's first requests, in order (graph
-            # padding requests after them), so request r's masks are rows
-            # r * n onwards in its packing as in the buffer.
+        if tree is not None and set(tree.num_nodes_cpu) != {n}:
+            raise ValueError(
+                f"a uniform batch's published trees must have {n} nodes each, "
+                f"got {sorted(set(tree.num_nodes_cpu))}"
+            )
+        num_trees = 0 if tree is None else len(tree.num_nodes_cpu)
+        if (
+            tree is not None
+            and tree.covers_batch
+            and tree.req_rows_cpu == list(range(num_trees))
+        ):
+            # Steady-state decoding: the trees are the batch's first requests,
+            # in order (graph padding after them), so request r's masks are
+            # rows r * n onwards in its packing as in the buffer.
             tree.pack_mask(self.q_start[:num_trees], out=self.mask[: num_trees * n])
             parents, max_depth = tree.parents, tree.max_depth
+        else:
+            # Chains (causal attention), with any trees written over their
+            # own rows: the other n-token queries are prompts or prefill
+            # chunks that happen to be n tokens long.
+            self.mask[: num_reqs * n].copy_(self.chain_mask[: num_reqs * n])
+            parents, max_depth = self.chain_parents[:num_reqs], n - 1
+            if tree is not None:
+                rows = tree.req_rows.long()
+                packed = tree.pack_mask(self.q_start[:num_trees])
+                self.mask[: num_reqs * n].view(num_reqs, n, -1)[rows] = packed.view(
+                    num_trees, n, -1
+                )
+                parents = parents.clone()
+                parents[rows] = tree.parents[:, :n].to(parents.dtype)
         return TreeAttentionInfo(
             req_rows=self.req_rows[:num_reqs],
             q_start=self.q_start[:num_reqs],
