@@ -121,6 +121,11 @@ def make_plan(rng: random.Random, args: argparse.Namespace, vocab: int) -> Plan:
             length = room + rng.randint(1, 8)
             expect_400 = True
             tags.append("too-long")
+        elif roll < args.long_fraction + args.too_long_fraction + args.tree_fraction:
+            # Admitted beside verifying requests, a prompt as long as a full
+            # tree makes a uniform batch that is not all trees.
+            length = min(1 + args.budget, room)
+            tags.append("tree-sized")
         else:
             length = rng.randint(1, min(48, room))
         body["prompt"] = [rng.randrange(10, vocab) for _ in range(length)]
@@ -552,6 +557,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--abort-fraction", type=float, default=0.1)
     p.add_argument("--long-fraction", type=float, default=0.1)
     p.add_argument("--too-long-fraction", type=float, default=0.02)
+    p.add_argument(
+        "--tree-fraction",
+        type=float,
+        default=0.05,
+        help="share of prompts exactly 1 + budget tokens long",
+    )
     p.add_argument("--max-rss-growth-mb", type=float, default=128.0)
     p.add_argument("--max-rss-growth-frac", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)

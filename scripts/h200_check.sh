@@ -8,12 +8,13 @@
 #   bash scripts/h200_check.sh graphs  # full CUDA graphs: kernel under capture, graph engines,
 #                                      # flash_context and adaptive-vs-full-graph engines (~8 min)
 #   bash scripts/h200_check.sh sampling # GPU tree sampler; seeded DDTree == seeded V2 no-spec (~4 min)
-#   bash scripts/h200_check.sh serve   # stock DFlash beside the plugin, OpenAI server (~5 min)
+#   bash scripts/h200_check.sh serve   # stock DFlash beside the plugin, trees beside (1 + B)-token
+#                                      # prompts, OpenAI server (~7 min)
 #   bash scripts/h200_check.sh soak    # 6-minute soak: 32 clients, DDTree vs no-spec servers (~10 min)
 #   bash scripts/h200_check.sh soak-start  # the 10-minute soak, detached: it outlives this call
 #                                          # while the machine stays warm; run other modes meanwhile
 #   bash scripts/h200_check.sh soak-finish # wait for it (SOAK_WAIT seconds at most), collect results
-#   bash scripts/h200_check.sh hybrid  # hybrid engines: greedy, prefix caching (~9 min)
+#   bash scripts/h200_check.sh hybrid  # hybrid engines: greedy eager / CUDA graphs, prefix caching (~9.5 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
 #   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits at engine shapes, + FA3 (~3 min)
 #   bash scripts/h200_check.sh shapes  # tree attention at the engine's shapes (chosen tiles), + FA3 (~2 min)
@@ -206,6 +207,8 @@ sampling)
   ;;
 serve)
   engine_test engine-stock_dflash 150 tests/gpu/test_ddtree_engine_gpu.py stock_dflash
+  engine_test engine-prompts-of-tree-size 110 tests/gpu/test_ddtree_engine_gpu.py \
+    prompts_of_tree_size
   step serve 240 python3 -m pytest -q -rA tests/gpu/test_serve_gpu.py
   ;;
 soak)
@@ -253,8 +256,11 @@ soak-finish)
   tar czf "$out/soak-logs.tgz" -C /tmp/soak-bg .
   ;;
 hybrid)
-  engine_test hybrid-engine 390 tests/gpu/test_ddtree_hybrid_gpu.py greedy
-  engine_test hybrid-prefix-caching 180 tests/gpu/test_ddtree_hybrid_gpu.py \
+  # One no-spec reference per mode, then a DDTree engine per budget; the
+  # first engine of a fresh machine spends minutes tuning the FLA kernels.
+  engine_test hybrid-eager 300 tests/gpu/test_ddtree_hybrid_gpu.py "greedy and True"
+  engine_test hybrid-graphs 150 tests/gpu/test_ddtree_hybrid_gpu.py "greedy and False"
+  engine_test hybrid-prefix-caching 120 tests/gpu/test_ddtree_hybrid_gpu.py \
     prefix_caching
   ;;
 kernels)

@@ -35,6 +35,10 @@ def test_plans_respect_max_model_len_unless_meant_not_to():
     assert args.max_model_len in lengths  # some reach the limit exactly
     kinds = {t for p in plans for t in p.tags}
     assert {"greedy", "sampled", "n>1", "stop", "stream", "abort"} <= kinds
+    assert {"long", "too-long", "tree-sized"} <= kinds
+    for plan in plans:
+        if "tree-sized" in plan.tags:
+            assert len(plan.body["prompt"]) == 1 + args.budget
     assert all(p.body.get("n", 1) == 1 for p in plans if p.greedy)
 
 
