@@ -207,7 +207,7 @@ sampling)
   ;;
 serve)
   engine_test engine-stock_dflash 150 tests/gpu/test_ddtree_engine_gpu.py stock_dflash
-  engine_test engine-prompts-of-tree-size 110 tests/gpu/test_ddtree_engine_gpu.py \
+  engine_test engine-prompts-of-tree-size 180 tests/gpu/test_ddtree_engine_gpu.py \
     prompts_of_tree_size
   step serve 240 python3 -m pytest -q -rA tests/gpu/test_serve_gpu.py
   ;;

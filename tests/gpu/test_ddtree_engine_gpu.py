@@ -132,11 +132,37 @@ def test_small_max_num_seqs_with_cuda_graphs(fixtures, expected):
             shutdown_llm(llm)
 
 
-def test_trees_beside_prompts_of_tree_size(fixtures, monkeypatch):
+TREE_SIZED_BUDGET = 8
+
+
+@pytest.fixture(scope="module")
+def tree_sized(fixtures):
+    """Requests whose prompts are exactly ``1 + B`` tokens long, staggered
+    lengths, and their no-spec greedy outputs."""
+    n = 1 + TREE_SIZED_BUDGET
+    prompts = [[(13 * i + 5 * j) % 300 + 5 for j in range(n)] for i in range(8)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16 + 8 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    llm = _engine(fixtures.dense_target, enforce_eager=True)
+    try:
+        outputs = llm.generate(requests, params)
+    finally:
+        shutdown_llm(llm)
+    return requests, params, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("flash_context", [False, True])
+def test_trees_beside_prompts_of_tree_size(
+    fixtures, tree_sized, flash_context, monkeypatch
+):
     """Prompts of exactly ``1 + B`` tokens admitted while other requests
     verify trees make uniform batches that are not all trees (the H200 soak's
-    engine died on one on 2026-12-04). Staggered lengths and three slots for
-    eight requests admit them one or two at a time beside running trees."""
+    engine died on one on 2026-12-04): three slots for eight requests of
+    staggered lengths admit them one or two at a time beside running trees.
+    With ``flash_context`` those prompts' rows have no context at all."""
     from vllm_ddtree.v1.attention.backends.tree_attn import UniformTreeBuffers
 
     mixed = []
@@ -148,31 +174,19 @@ def test_trees_beside_prompts_of_tree_size(fixtures, monkeypatch):
         return inner(self, num_reqs, seq_lens, tree)
 
     monkeypatch.setattr(UniformTreeBuffers, "fill", recorded)
-    budget = 8
-    n = 1 + budget
-    prompts = [[(13 * i + 5 * j) % 300 + 5 for j in range(n)] for i in range(8)]
-    params = [
-        SamplingParams(temperature=0, max_tokens=16 + 8 * i, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
-    requests = [{"prompt_token_ids": p} for p in prompts]
-
-    def generate(llm: LLM) -> list[list[int]]:
-        return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params)]
-
-    llm = _engine(fixtures.dense_target, enforce_eager=True)
-    try:
-        want = generate(llm)
-    finally:
-        shutdown_llm(llm)
+    requests, params, want = tree_sized
+    prompts = [r["prompt_token_ids"] for r in requests]
     oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, want, strict=True)})
-    spec = ddtree_config(fixtures.dense_drafter, budget)
+    spec = ddtree_config(
+        fixtures.dense_drafter, TREE_SIZED_BUDGET, flash_context=flash_context
+    )
     with oracle_drafter(oracle):
         llm = _engine(fixtures.dense_target, False, spec=spec, max_num_seqs=3)
         try:
-            assert generate(llm) == want
+            outputs = llm.generate(requests, params)
         finally:
             shutdown_llm(llm)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
     assert mixed  # such a batch did run
 
 
