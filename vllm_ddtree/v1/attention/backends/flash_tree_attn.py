@@ -58,7 +58,6 @@ class FlashTreeAttentionMetadataBuilder(
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.uniform_trees: UniformTreeBuffers | None = None
         cfg = get_ddtree_config(vllm_config)
         self.flash_context = cfg is not None and cfg.flash_context
         if cfg is not None:
@@ -74,19 +73,10 @@ class FlashTreeAttentionMetadataBuilder(
                 device,
             )
 
-    def _attach_tree(self, metadata, common_attn_metadata, tree) -> None:
-        cm = common_attn_metadata
-        if (
-            self.uniform_trees is None
-            or cm.causal is not True
-            or not self.uniform_trees.matches(cm.query_start_loc_cpu)
-        ):
-            super()._attach_tree(metadata, cm, tree)
-            return
-        metadata.tree = self.uniform_trees.fill(cm.num_reqs, cm.seq_lens, tree)
-        # Rows are the batch's requests in order: vLLM's persistent table.
-        metadata.tree_block_table = metadata.block_table
-        metadata.tree_flash_context = self.flash_context
+    def _attach_tree(self, metadata, common_attn_metadata, tree) -> bool:
+        uniform = super()._attach_tree(metadata, common_attn_metadata, tree)
+        metadata.tree_flash_context = uniform and self.flash_context
+        return uniform
 
 
 def slot_rows(kv_cache: torch.Tensor) -> torch.Tensor | None:

@@ -263,8 +263,12 @@ class TreeMetadataBuilderMixin:
     than in every layer).
 
     Only causal target batches carry trees; the DFlash drafter's non-causal
-    batches never do.
+    batches never do. A builder whose uniform batches replay as full CUDA
+    graphs sets :attr:`uniform_trees`; those batches then get the graph
+    buffers' description instead.
     """
+
+    uniform_trees: UniformTreeBuffers | None = None
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -272,11 +276,23 @@ class TreeMetadataBuilderMixin:
         self._attach_tree(metadata, common_attn_metadata, tree)
         return metadata
 
-    def _attach_tree(self, metadata, common_attn_metadata, tree) -> None:
-        """Set ``metadata.tree`` and, for a tree, ``tree_block_table``."""
+    def _attach_tree(self, metadata, common_attn_metadata, tree) -> bool:
+        """Set ``metadata.tree`` and, for a tree, ``tree_block_table``;
+        return whether the batch went through :attr:`uniform_trees`."""
+        cm = common_attn_metadata
+        if (
+            self.uniform_trees is not None
+            and cm.causal is True
+            and self.uniform_trees.matches(cm.query_start_loc_cpu)
+        ):
+            metadata.tree = self.uniform_trees.fill(cm.num_reqs, cm.seq_lens, tree)
+            # Rows are the batch's requests in order: the backend's own table.
+            metadata.tree_block_table = metadata.block_table
+            return True
         metadata.tree = tree
         if tree is not None:
             metadata.tree_block_table = metadata.block_table[tree.req_rows.long()]
+        return False
 
 
 class TreeAttentionImplMixin:
