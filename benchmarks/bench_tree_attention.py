@@ -321,6 +321,28 @@ def _time_fa3_tree(
     rec = {}
     for name, fn in (("fa3_ctx", fa3_ctx), ("fa3_tree", fa3_tree)):
         rec[f"{name}_eager_ms"], rec[f"{name}_ms"] = _time(fn, args)
+    if args.sweep:
+        # The tree pass alone in every query tile, from one context pass's
+        # state (repeated passes fold the tree in again: same work, and
+        # the outputs are not checked).
+        ctx_lse = flash_context_pass(
+            query, key_cache, value_cache, merged, block_table, ctx_len, scale,
+            n, cu_seqlens_q=cu_q, max_ctx_len=ctx,
+        )  # fmt: skip
+        sweep = rec["tree_pass_sweep_ms"] = {}
+        for block_m in _ints(args.sweep_block_m):
+
+            def tree_pass(bm: int = block_m) -> None:
+                tree_attention(
+                    query, key_cache, value_cache, merged, block_table,
+                    cu_q[:-1], num_nodes, ctx_len, mask_row_start, tree_mask,
+                    scale, n, context_lse=ctx_lse, block_m=bm,
+                )  # fmt: skip
+
+            try:
+                sweep[str(block_m)] = _time(tree_pass, args, 5, 20)[1]
+            except Exception as exc:  # e.g. out of shared memory
+                print(f"tree pass sweep {block_m}: {exc!r}"[:200], flush=True)
     fa3_tree()
     rec["fa3_tree_err"] = (merged.float() - ours_out.float()).abs().max().item()
     return rec

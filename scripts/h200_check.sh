@@ -16,7 +16,7 @@
 #   bash scripts/h200_check.sh soak-finish # wait for it (SOAK_WAIT seconds at most), collect results
 #   bash scripts/h200_check.sh hybrid  # hybrid engines: greedy eager / CUDA graphs, prefix caching (~9.5 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
-#   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits at engine shapes, + FA3 (~3 min)
+#   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits, tree-pass tiles, at engine shapes, + FA3 (~4 min)
 #   bash scripts/h200_check.sh shapes  # tree attention at the engine's shapes (chosen tiles), + FA3 (~2 min)
 #   bash scripts/h200_check.sh caches  # pack the compile / autotune caches into $OUT (see below)
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
@@ -271,7 +271,7 @@ kernels)
     --out "$out/hybrid_verify.json"
   ;;
 sweep)
-  step tile-sweep 200 python3 benchmarks/bench_tree_attention.py --sweep --no-sdpa \
+  step tile-sweep 240 python3 benchmarks/bench_tree_attention.py --sweep --no-sdpa \
     --batches 1,4,16 --contexts 1024,4096 --trees 17,65 --out "$out/tile_sweep.json"
   ;;
 shapes)
