@@ -157,7 +157,8 @@ class UniformTreeBuffers:
 
     A uniform batch without a published tree (e.g. equal prefill chunks of
     ``num_nodes`` tokens, or the capture itself) is a batch of chains: the
-    chain mask is causal attention. Rows of graph padding (requests with no
+    chain mask is causal attention. So are the rows of such prompts or
+    chunks beside trees. Rows of graph padding (requests with no
     query tokens) keep a valid mask and a non-negative context, so their
     discarded outputs stay finite.
     """
@@ -203,8 +204,9 @@ class UniformTreeBuffers:
         """Write a uniform batch's inputs into the buffers and describe it.
 
         ``seq_lens`` (``[num_reqs]``, device) counts each request's context
-        plus its query; ``tree`` is the step's published tree, which must
-        then cover the batch with trees of ``num_nodes`` nodes.
+        plus its query; ``tree`` is the step's published tree, whose trees
+        have ``num_nodes`` nodes each (at any rows; the batch's other rows
+        are chains).
         """
         n = self.num_nodes
         ctx = self.ctx_len[:num_reqs]
