@@ -305,8 +305,8 @@ def _time_fa3_tree(
     and the context pass alone (``fa3_ctx_ms``: the rest is the tree pass)."""
     merged = torch.empty_like(query)
 
-    def fa3_ctx():
-        flash_context_pass(
+    def fa3_ctx() -> torch.Tensor:
+        return flash_context_pass(
             query, key_cache, value_cache, merged, block_table, ctx_len, scale,
             n, cu_seqlens_q=cu_q, max_ctx_len=ctx,
         )  # fmt: skip
@@ -325,10 +325,7 @@ def _time_fa3_tree(
         # The tree pass alone in every query tile, from one context pass's
         # state (repeated passes fold the tree in again: same work, and
         # the outputs are not checked).
-        ctx_lse = flash_context_pass(
-            query, key_cache, value_cache, merged, block_table, ctx_len, scale,
-            n, cu_seqlens_q=cu_q, max_ctx_len=ctx,
-        )  # fmt: skip
+        ctx_lse = fa3_ctx()
         sweep = rec["tree_pass_sweep_ms"] = {}
         for block_m in _ints(args.sweep_block_m):
 

@@ -13,10 +13,16 @@ no-spec.
 from __future__ import annotations
 
 import pytest
-from vllm import SamplingParams
 
 from tests.oracle_drafter import Oracle, oracle_drafter
-from tests.utils import ddtree_config, make_llm, shutdown_llm
+from tests.utils import (
+    TREE_SIZED_BUDGET,
+    ddtree_config,
+    make_llm,
+    record_uniform_fills,
+    shutdown_llm,
+    tree_sized_requests,
+)
 from vllm_ddtree.v1.attention.backends.cpu_tree_attn import (
     CPUTreeAttentionMetadataBuilder,
 )
@@ -24,26 +30,12 @@ from vllm_ddtree.v1.attention.backends.tree_attn import UniformTreeBuffers
 
 pytestmark = pytest.mark.slow
 
-BUDGET = 8
 MAX_NUM_SEQS = 3
 MAX_MODEL_LEN = 256
 
 
-def _requests() -> tuple[list[dict], list[SamplingParams]]:
-    """Eight ``1 + B``-token prompts with staggered lengths: three slots
-    admit them one or two at a time beside running trees."""
-    prompts = [
-        [(13 * i + 5 * j) % 300 + 5 for j in range(1 + BUDGET)] for i in range(8)
-    ]
-    params = [
-        SamplingParams(temperature=0, max_tokens=16 + 8 * i, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
-    return [{"prompt_token_ids": p} for p in prompts], params
-
-
 def test_uniform_batches_through_graph_buffers(fixtures, monkeypatch):
-    requests, params = _requests()
+    requests, params = tree_sized_requests()
     llm = make_llm(
         fixtures.dense_target,
         max_model_len=MAX_MODEL_LEN,
@@ -56,22 +48,15 @@ def test_uniform_batches_through_graph_buffers(fixtures, monkeypatch):
         shutdown_llm(llm)
 
     inner_init = CPUTreeAttentionMetadataBuilder.__init__
-    inner_fill = UniformTreeBuffers.fill
-    seen = {"trees": 0, "mixed": 0}
 
     def init_with_buffers(self, kv_cache_spec, layer_names, vllm_config, device):
         inner_init(self, kv_cache_spec, layer_names, vllm_config, device)
         self.uniform_trees = UniformTreeBuffers(
-            MAX_NUM_SEQS, 1 + BUDGET, MAX_MODEL_LEN, device
+            MAX_NUM_SEQS, 1 + TREE_SIZED_BUDGET, MAX_MODEL_LEN, device
         )
 
-    def counted_fill(self, num_reqs, seq_lens, tree):
-        if tree is not None:
-            seen["trees" if tree.covers_batch else "mixed"] += 1
-        return inner_fill(self, num_reqs, seq_lens, tree)
-
     monkeypatch.setattr(CPUTreeAttentionMetadataBuilder, "__init__", init_with_buffers)
-    monkeypatch.setattr(UniformTreeBuffers, "fill", counted_fill)
+    seen = record_uniform_fills(monkeypatch)
     prompts = [r["prompt_token_ids"] for r in requests]
     oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, want, strict=True)})
     with oracle_drafter(oracle):
@@ -80,7 +65,7 @@ def test_uniform_batches_through_graph_buffers(fixtures, monkeypatch):
             max_model_len=MAX_MODEL_LEN,
             max_num_seqs=MAX_NUM_SEQS,
             gpu_memory_utilization=0.25,
-            speculative_config=ddtree_config(fixtures.dense_drafter, BUDGET),
+            speculative_config=ddtree_config(fixtures.dense_drafter, TREE_SIZED_BUDGET),
         )
         try:
             outputs = llm.generate(requests, params)

@@ -26,7 +26,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from vllm import LLM
+from vllm import LLM, SamplingParams
+
+from vllm_ddtree.v1.attention.backends.tree_attn import UniformTreeBuffers
 
 # Qwen3-Next style hybrids (GDN linear attention + full attention).
 _HYBRID_MODEL_TYPES = {"qwen3_next"}
@@ -365,3 +367,34 @@ def chat_once_and_streamed(base_url: str) -> tuple[str, str]:
         for chunk in client.chat.completions.create(**kwargs, stream=True)
     )
     return full, streamed
+
+
+# Budget of the tree-sized requests below: their prompts are 1 + B tokens.
+TREE_SIZED_BUDGET = 8
+
+
+def tree_sized_requests() -> tuple[list[dict], list[SamplingParams]]:
+    """Eight ``1 + B``-token prompts with staggered lengths: three slots
+    admit them one or two at a time beside running trees."""
+    n = 1 + TREE_SIZED_BUDGET
+    prompts = [[(13 * i + 5 * j) % 300 + 5 for j in range(n)] for i in range(8)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=16 + 8 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    return [{"prompt_token_ids": p} for p in prompts], params
+
+
+def record_uniform_fills(monkeypatch) -> dict[str, int]:
+    """Count the uniform batches that carried trees: all trees (``trees``)
+    or trees beside other ``1 + B``-token queries (``mixed``)."""
+    inner = UniformTreeBuffers.fill
+    seen = {"trees": 0, "mixed": 0}
+
+    def counted_fill(self, num_reqs, seq_lens, tree):
+        if tree is not None:
+            seen["trees" if tree.covers_batch else "mixed"] += 1
+        return inner(self, num_reqs, seq_lens, tree)
+
+    monkeypatch.setattr(UniformTreeBuffers, "fill", counted_fill)
+    return seen

@@ -82,7 +82,9 @@ def references(target):  # noqa: F811
     per mode for all budgets."""
     cache: dict[bool, tuple[list[list[int]], list]] = {}
 
-    def get(enforce_eager: bool, prompts: list[list[int]]):
+    prompts = _prompts()
+
+    def get(enforce_eager: bool):
         if enforce_eager not in cache:
             llm = _engine(target, enforce_eager)
             try:
@@ -114,7 +116,7 @@ def test_hybrid_greedy_equals_no_spec_on_gpu(
     budget,
 ):
     prompts = _prompts()
-    expected, expected_top = references(enforce_eager, prompts)
+    expected, expected_top = references(enforce_eager)
     oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, expected, strict=True)})
     spec = ddtree_config(fixtures.hybrid_drafter, budget)
     with oracle_drafter(oracle):
