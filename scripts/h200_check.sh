@@ -14,7 +14,8 @@
 #   bash scripts/h200_check.sh soak-start  # the 10-minute soak, detached: it outlives this call
 #                                          # while the machine stays warm; run other modes meanwhile
 #   bash scripts/h200_check.sh soak-finish # wait for it (SOAK_WAIT seconds at most), collect results
-#   bash scripts/h200_check.sh hybrid  # hybrid engines: greedy eager / CUDA graphs, prefix caching (~9.5 min)
+#   bash scripts/h200_check.sh engine NAME SECONDS FILE K  # one engine test (pytest -k K)
+#   bash scripts/h200_check.sh hybrid  # hybrid engines: greedy eager / CUDA graphs, prefix caching (~11 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
 #   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits, tree-pass tiles, at engine shapes, + FA3 (~4 min)
 #   bash scripts/h200_check.sh shapes  # tree attention at the engine's shapes (chosen tiles), + FA3 (~2 min)
@@ -44,7 +45,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async}
+mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -86,7 +87,8 @@ step() {
   local start=$SECONDS
   timeout -k 10 "$limit" "$@" >"$logs/$name.log" 2>&1
   local rc=$?
-  pkill -9 -f "EngineCor[e]" 2>/dev/null
+  # Only this call's session: the detached soak's servers (setsid) keep theirs.
+  pkill -9 -s 0 -f "EngineCor[e]" 2>/dev/null
   local tail
   tail=$(grep -E "[0-9]+ (passed|failed)|Error|error:" "$logs/$name.log" | tail -1)
   printf '%-28s rc=%-3s %4ss  %s\n' "$name" "$rc" $((SECONDS - start)) "$tail" |
@@ -255,11 +257,15 @@ soak-finish)
   cp /tmp/soak-bg/soak-h200.json "$out/" 2>/dev/null
   tar czf "$out/soak-logs.tgz" -C /tmp/soak-bg .
   ;;
+engine)
+  # One engine test alone: h200_check.sh engine NAME SECONDS FILE PYTEST_K
+  engine_test "$2" "$3" "$4" "$5"
+  ;;
 hybrid)
   # One no-spec reference per mode, then a DDTree engine per budget; the
   # first engine of a fresh machine spends minutes tuning the FLA kernels.
   engine_test hybrid-eager 300 tests/gpu/test_ddtree_hybrid_gpu.py "greedy and True"
-  engine_test hybrid-graphs 150 tests/gpu/test_ddtree_hybrid_gpu.py "greedy and False"
+  engine_test hybrid-graphs 240 tests/gpu/test_ddtree_hybrid_gpu.py "greedy and False"
   engine_test hybrid-prefix-caching 120 tests/gpu/test_ddtree_hybrid_gpu.py \
     prefix_caching
   ;;
