@@ -470,6 +470,9 @@ def build_report(
         "greedy_compared": compared,
         "greedy_mismatches": mismatches[:10],
         "num_greedy_mismatches": len(mismatches),
+        # Of those, replays the reference server did not answer (a dead
+        # reference makes every comparison fail without saying DDTree erred).
+        "num_greedy_unreplayed": sum(m["reference_status"] != "ok" for m in mismatches),
         "per_request_ddtree": {
             "requests": len(rounds),
             "mean_acceptance_length": (
