@@ -15,7 +15,7 @@
 #                                          # while the machine stays warm; run other modes meanwhile
 #   bash scripts/h200_check.sh soak-finish # wait for it (SOAK_WAIT seconds at most), collect results
 #   bash scripts/h200_check.sh engine NAME SECONDS FILE K  # one engine test (pytest -k K)
-#   bash scripts/h200_check.sh hybrid  # hybrid engines: greedy eager / CUDA graphs, prefix caching (~11 min)
+#   bash scripts/h200_check.sh hybrid  # hybrid engines: greedy eager / CUDA graphs, prefix caching (~9.7 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
 #   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits, tree-pass tiles, at engine shapes, + FA3 (~4 min)
 #   bash scripts/h200_check.sh shapes  # tree attention at the engine's shapes (chosen tiles), + FA3 (~2 min)
@@ -264,8 +264,8 @@ engine)
 hybrid)
   # One no-spec reference per mode, then a DDTree engine per budget; the
   # first engine of a fresh machine spends minutes tuning the FLA kernels.
-  engine_test hybrid-eager 300 tests/gpu/test_ddtree_hybrid_gpu.py "greedy and True"
-  engine_test hybrid-graphs 240 tests/gpu/test_ddtree_hybrid_gpu.py "greedy and False"
+  engine_test hybrid-eager 260 tests/gpu/test_ddtree_hybrid_gpu.py "greedy and True"
+  engine_test hybrid-graphs 200 tests/gpu/test_ddtree_hybrid_gpu.py "greedy and False"
   engine_test hybrid-prefix-caching 120 tests/gpu/test_ddtree_hybrid_gpu.py \
     prefix_caching
   ;;
