@@ -16,9 +16,16 @@ For each (batch, context, tree size) it times
   materialised boolean mask over pre-gathered contiguous KV (gather not
   timed);
 
-and reports the fraction of the HBM roofline reached by ``ours``: the KV
-bytes the kernel must read divided by the measured device copy bandwidth
-(bytes read + written of a large ``copy_``), over the measured time.
+and reports, for ``ours`` and for the better of the two tree designs
+(``best``), the fraction of the roofline reached: the roofline time is the
+larger of the bytes the kernel must move (KV, queries, outputs) over the
+measured device copy bandwidth (bytes read + written of a large ``copy_``)
+and the FLOPs a tree needs (every node against the whole context, its
+ancestors and itself) over the measured bf16 matmul throughput. Trees of 64
+nodes and more are compute-bound on an H200 (each KV head serves
+``nodes x q_heads / kv_heads`` query rows), so a bandwidth-only fraction
+would understate them. The markdown table (``--out`` with ``.md``) is the
+one in ``docs/benchmarks/tree_attention.md``.
 
 Usage (GPU)::
 
@@ -134,6 +141,22 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+def measure_matmul_flops(size: int = 8192) -> float:
+    """Device bf16 matmul throughput in FLOP/s (a square ``size`` GEMM)."""
+    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    ms = _bench(lambda: a @ b, 50, 300)
+    return 2 * size**3 / (ms * 1e-3)
+
+
+def roofline_ms(nbytes: int, flops: int, args: argparse.Namespace) -> tuple:
+    """``(ms, bound)``: the time the device needs at least to move ``nbytes``
+    and to compute ``flops``, and which of the two bounds it."""
+    memory = nbytes / args.copy_bw * 1e3
+    compute = flops / args.matmul_flops * 1e3
+    return max(memory, compute), "memory" if memory >= compute else "compute"
+
+
 def _random_masks(batch: int, n: int, gen: torch.Generator) -> torch.Tensor:
     """Packed ancestor masks of ``batch`` random trees, ``[batch*n, words]``."""
     words = (n + 31) // 32
@@ -148,6 +171,58 @@ def _random_masks(batch: int, n: int, gen: torch.Generator) -> torch.Tensor:
                 out[b * n + i, w] = (a >> (32 * w)) & 0xFFFFFFFF
     out = torch.where(out >= 2**31, out - 2**32, out)
     return out.to(torch.int32)
+
+
+def _popcount(words: torch.Tensor) -> torch.Tensor:
+    """Set bits of each 32-bit word (int32 storage, sign bit included)."""
+    bits = words.long() & 0xFFFFFFFF
+    return sum((bits >> i) & 1 for i in range(32))
+
+
+def summarize(rec: dict) -> dict:
+    """Derived columns of one record: the roofline fraction of ``ours``; the
+    better of the fused kernel and FA3 + tree pass (``best``), its roofline
+    fraction and its time over FA3's causal chain of the same length."""
+    out = dict(rec)
+    if "ours_ms" in rec and "roofline_ms" in rec:
+        out["roofline_frac"] = rec["roofline_ms"] / rec["ours_ms"]
+    paths = {k: rec[f"{k}_ms"] for k in ("ours", "fa3_tree") if f"{k}_ms" in rec}
+    if paths:
+        out["best"] = min(paths, key=paths.get)
+        out["best_ms"] = paths[out["best"]]
+        if "roofline_ms" in rec:
+            out["best_roofline_frac"] = rec["roofline_ms"] / out["best_ms"]
+        if "fa3_ms" in rec:
+            out["best_vs_chain"] = out["best_ms"] / rec["fa3_ms"]
+    return out
+
+
+def markdown_table(results: list[dict]) -> str:
+    """The table of ``docs/benchmarks/tree_attention.md`` (times in µs)."""
+
+    def us(v) -> str:
+        return f"{v * 1e3:.1f}" if isinstance(v, (int, float)) else "-"
+
+    def pct(v) -> str:
+        return f"{v:.0%}" if isinstance(v, (int, float)) else "-"
+
+    def ratio(v) -> str:
+        return f"{v:.2f}" if isinstance(v, (int, float)) else "-"
+
+    lines = [
+        "| batch | context | nodes | fused | FA3 + tree | FA3 chain | best / chain "
+        "| SDPA | bound | roofline, fused | roofline, best |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['batch']} | {r['ctx']} | {r['tree']} | {us(r.get('ours_ms'))} "
+            f"| {us(r.get('fa3_tree_ms'))} | {us(r.get('fa3_ms'))} "
+            f"| {ratio(r.get('best_vs_chain'))} | {us(r.get('sdpa_ms'))} "
+            f"| {r.get('bound', '-')} | {pct(r.get('roofline_frac'))} "
+            f"| {pct(r.get('best_roofline_frac'))} |"
+        )
+    return "\n".join(lines)
 
 
 def run_config(
@@ -184,7 +259,14 @@ def run_config(
     num_nodes = torch.full((batch,), n, **i32)
     ctx_len = torch.full((batch,), ctx, **i32)
     mask_row_start = q_start.clone()
-    tree_mask = _random_masks(batch, n, gen).to(dev)
+    tree_mask = _random_masks(batch, n, gen)
+    # Query-key pairs a tree needs: every node sees the context, its
+    # ancestors and itself (the mask's set bits).
+    visible = int(_popcount(tree_mask).sum())
+    rec["flops"] = 4 * hq * d * (batch * n * ctx + visible)  # QK^T + PV
+    bound = roofline_ms(kv_bytes + q_bytes, rec["flops"], args)
+    rec["roofline_ms"], rec["bound"] = bound
+    tree_mask = tree_mask.to(dev)
 
     block_m, block_n, _, _ = _pick_tiles(n * hq // hkv, triton_next_pow2(d))
     q_tiles = math.ceil(n * hq // hkv / block_m)
@@ -203,9 +285,7 @@ def run_config(
         rec["ours_eager_ms"], ms = _time(ours, args)
         rec["ours_ms"] = ms
         rec["ours_GBps"] = (kv_bytes + q_bytes) / (ms * 1e-3) / 1e9
-        rec["roofline_frac"] = (kv_bytes + q_bytes) / args.copy_bw / (ms * 1e-3)
-        flops = 4 * batch * n * hq * d * total  # QK^T + PV, dense upper bound
-        rec["ours_TFLOPs"] = flops / (ms * 1e-3) / 1e12
+        rec["ours_TFLOPs"] = rec["flops"] / (ms * 1e-3) / 1e12
     except Exception as exc:  # OOM or launch failure: record and go on
         rec["ours_error"] = repr(exc)[:300]
 
@@ -265,7 +345,7 @@ def run_config(
                 rec["sdpa_error"] = repr(exc)[:300]
             torch.cuda.empty_cache()
 
-    return rec  # tensors die with this frame; the caller empties the cache
+    return summarize(rec)  # tensors die with this frame; the caller empties the cache
 
 
 def _sweep_tiles(
@@ -443,11 +523,13 @@ def main() -> None:
         except Exception as exc:
             fa_note = f"unavailable: {exc!r}"[:200]
     args.copy_bw = measure_copy_bandwidth()
+    args.matmul_flops = measure_matmul_flops()
     torch.cuda.empty_cache()
     props = torch.cuda.get_device_properties(0)
     print(
         f"device {props.name}, {props.multi_processor_count} SMs; copy bandwidth "
-        f"{args.copy_bw / 1e9:.0f} GB/s (read+write); FA3: {fa_note}",
+        f"{args.copy_bw / 1e9:.0f} GB/s (read+write); bf16 matmul "
+        f"{args.matmul_flops / 1e12:.0f} TFLOP/s; FA3: {fa_note}",
         flush=True,
     )
 
@@ -458,6 +540,7 @@ def main() -> None:
             "device": props.name,
             "num_sms": props.multi_processor_count,
             "copy_bandwidth_Bps": args.copy_bw,
+            "matmul_flops": args.matmul_flops,
             "torch": torch.__version__,
             "fa3": fa_note,
             "heads": {"q": args.q_heads, "kv": args.kv_heads, "dim": args.head_dim},
@@ -470,9 +553,12 @@ def main() -> None:
                 "fa3: causal chain of the same query count; fa3_ctx: FA3 "
                 "non-causal over the context with LSE (flash_context_pass); "
                 "fa3_tree: that + the tree pass; sdpa: dense bool mask "
-                "over pre-gathered KV (gather not timed); roofline_frac: "
-                "(KV + Q + O bytes) / copy bandwidth / time; TFLOPs counts dense "
-                "QK^T + PV over context + tree."
+                "over pre-gathered KV (gather not timed); roofline_ms: max of "
+                "(KV + Q + O bytes) / copy bandwidth and flops / bf16 matmul "
+                "throughput (bound says which); flops: QK^T + PV of every node "
+                "over the context, its ancestors and itself; roofline_frac / "
+                "best_roofline_frac: roofline_ms over ours / best (the faster of "
+                "ours and fa3_tree); best_vs_chain: best over fa3."
             ),
             "results": results,
         }
@@ -480,11 +566,13 @@ def main() -> None:
             os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=2)
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+            f.write(markdown_table(results) + "\n")
 
     hdr = (
         f"{'batch':>5} {'ctx':>6} {'tree':>4} {'split':>5} {'ours ms':>9} "
         f"{'fa3 ms':>9} {'fa3 ctx':>9} {'fa3+tree':>9} {'sdpa ms':>9} "
-        f"{'GB/s':>7} {'roofl':>6} {'TFLOP/s':>8}"
+        f"{'GB/s':>7} {'roofl':>6} {'best':>5} {'TFLOP/s':>8}"
         + (f" {'best variant':>18}" if args.sweep else "")
     )
     print(hdr, flush=True)
@@ -511,6 +599,7 @@ def main() -> None:
                     f"{_fmt(rec.get('sdpa_ms'), '>9.4f')} "
                     f"{_fmt(rec.get('ours_GBps'), '>7.0f')} "
                     f"{_fmt(rec.get('roofline_frac'), '>6.2f')} "
+                    f"{_fmt(rec.get('best_roofline_frac'), '>5.2f')} "
                     f"{_fmt(rec.get('ours_TFLOPs'), '>8.1f')}"
                     + (
                         f" {rec.get('sweep_best', '-'):>8} "
