@@ -503,6 +503,8 @@ def server_args(args: argparse.Namespace, speculative: bool) -> list[str]:
         "0",
         *args.server_arg,
     ]
+    if args.kv_cache_gib:
+        out += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
     if speculative:
         spec = {
             "method": "ddtree",
@@ -577,6 +579,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--server-arg=--gpu-memory-utilization=0.4 (repeatable)",
     )
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="give each server a KV cache of this size (vLLM's "
+        "--kv-cache-memory-bytes) instead of sizing it from free memory; GPU "
+        "servers then start at once, not one after the other",
+    )
     p.add_argument("--log-dir", type=Path, help="keep the servers' logs here")
     p.add_argument("--out", type=Path, help="write the JSON report here")
     args = p.parse_args(argv)
@@ -616,10 +625,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     from vllm.platforms import current_platform
 
-    # On a GPU the servers start one after the other: each sizes its KV
-    # cache from the memory it sees free while profiling, which the other's
-    # start would change under it. CPU servers start at once.
-    one_by_one = not current_platform.is_cpu()
+    # On a GPU the servers start one after the other unless their KV caches
+    # have a given size: each sizes its KV cache from the memory it sees
+    # free while profiling, which the other's start would change under it.
+    # CPU servers start at once.
+    one_by_one = not current_platform.is_cpu() and not args.kv_cache_gib
     with contextlib.ExitStack() as stack:
         for server in servers:
             server.start()

@@ -165,9 +165,11 @@ e2e_pair() {
 }
 
 # The soak's load on the fixture models (a random drafter: the load, not
-# acceptance, is the point), shared by the soak modes.
+# acceptance, is the point), shared by the soak modes. A fixed KV cache per
+# server lets both start at once (sized from free memory, they must start
+# one after the other: about 7 minutes on a fresh machine, 2026-12-04).
 soak_load=(python3 benchmarks/soak.py --fixtures --budget 16 --concurrency 32
-  --warmup-seconds 30 --max-model-len 256 --max-tokens 32
+  --warmup-seconds 30 --max-model-len 256 --max-tokens 32 --kv-cache-gib 2
   --server-arg=--max-num-seqs=64)
 
 case $mode in
@@ -229,11 +231,10 @@ soak-start)
     --server-arg=--gpu-memory-utilization=0.2 --log-dir /tmp/soak-bg/servers \
     --out /tmp/soak-bg/soak-h200.json >/tmp/soak-bg/soak.log 2>&1 </dev/null &
   echo $! >/tmp/soak-bg/pid
-  # The servers size their KV caches from the free memory they see at start:
-  # return (and let other modes use the GPU) once both are up, about 3
-  # minutes each on a fresh machine. Only modes with a steady, small memory
-  # footprint may share the GPU with the soak: a server died during the
-  # 2026-12-03 soak while train_pair ran beside it.
+  # Return (and let other modes use the GPU) once both servers are up. Only
+  # modes with a steady, small memory footprint may share the GPU with the
+  # soak: a server died during the 2026-12-03 soak while train_pair ran
+  # beside it.
   up=0
   for _ in $(seq 100); do
     up=$(cat /tmp/soak-bg/servers/*.log 2>/dev/null | grep -c 'Application startup complete')

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import make_plan, parse_args
+from benchmarks.soak import make_plan, parse_args, server_args
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "soak.py"
 
@@ -40,6 +40,16 @@ def test_plans_respect_max_model_len_unless_meant_not_to():
         if "tree-sized" in plan.tags:
             assert len(plan.body["prompt"]) == 1 + args.budget
     assert all(p.body.get("n", 1) == 1 for p in plans if p.greedy)
+
+
+def test_a_given_kv_cache_size_reaches_both_servers():
+    base = ["--target", "t", "--drafter", "d"]
+    args = parse_args([*base, "--kv-cache-gib", "0.5"])
+    for speculative in (True, False):
+        flags = server_args(args, speculative)
+        i = flags.index("--kv-cache-memory-bytes")
+        assert flags[i + 1] == str(2**29)
+    assert "--kv-cache-memory-bytes" not in server_args(parse_args(base), True)
 
 
 @pytest.mark.slow
