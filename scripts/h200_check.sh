@@ -272,8 +272,10 @@ hybrid)
   ;;
 kernels)
   step tree-cores 90 python3 benchmarks/bench_tree_cores.py --out "$out/tree_cores.json"
-  step tree-attention 300 python3 benchmarks/bench_tree_attention.py \
-    --out "$out/tree_attention.json"
+  # Issue 3's grid (trees of 16 / 64 / 256 nodes); the engine's B = 64
+  # shape (65 nodes) is the `shapes` mode's.
+  step tree-attention 330 python3 benchmarks/bench_tree_attention.py \
+    --trees 16,64,256 --out "$out/tree_attention.json"
   step hybrid-verify 120 python3 benchmarks/bench_hybrid_verify.py \
     --out "$out/hybrid_verify.json"
   ;;
