@@ -171,6 +171,7 @@ def test_hybrid_prefix_caching_on_gpu(fixtures, target, monkeypatch):  # noqa: F
         return _engine(target, False, speculative_config, enable_prefix_caching=True)
 
     # On the H200, 38% of round 1's no-spec tokens (393 of 1,040) came before
-    # each output's first near-tie (2026-12-04), under the CPU's 40%; the
-    # comparison still covers hundreds of tokens, and round 2 keeps its 70%.
-    prefix_caching_check(fixtures, make, monkeypatch, round1_min_fraction=0.3)
+    # each output's first near-tie (2026-12-04, ties then under a 0.1 gap,
+    # now 0.15): the comparison still covers hundreds of tokens, and round 2
+    # keeps its 70%.
+    prefix_caching_check(fixtures, make, monkeypatch, round1_min_fraction=0.25)
