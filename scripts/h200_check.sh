@@ -276,7 +276,9 @@ kernels)
   # shape (65 nodes) is the `shapes` mode's.
   step tree-attention 330 python3 benchmarks/bench_tree_attention.py \
     --trees 16,64,256 --out "$out/tree_attention.json"
-  step hybrid-verify 120 python3 benchmarks/bench_hybrid_verify.py \
+  # The first GDN benchmark of a machine autotunes vLLM's FLA kernels (the
+  # 2026-12-05 run timed out at 120 s; alone it took 220 s).
+  step hybrid-verify 260 python3 benchmarks/bench_hybrid_verify.py \
     --out "$out/hybrid_verify.json"
   ;;
 sweep)
