@@ -200,14 +200,8 @@ def summarize(rec: dict) -> dict:
 def markdown_table(results: list[dict]) -> str:
     """The table of ``docs/benchmarks/tree_attention.md`` (times in µs)."""
 
-    def us(v) -> str:
-        return f"{v * 1e3:.1f}" if isinstance(v, (int, float)) else "-"
-
-    def pct(v) -> str:
-        return f"{v:.0%}" if isinstance(v, (int, float)) else "-"
-
-    def ratio(v) -> str:
-        return f"{v:.2f}" if isinstance(v, (int, float)) else "-"
+    def us(ms) -> str:
+        return _fmt(ms * 1e3 if ms is not None else None, ".1f")
 
     lines = [
         "| batch | context | nodes | fused | FA3 + tree | FA3 chain | best / chain "
@@ -218,9 +212,9 @@ def markdown_table(results: list[dict]) -> str:
         lines.append(
             f"| {r['batch']} | {r['ctx']} | {r['tree']} | {us(r.get('ours_ms'))} "
             f"| {us(r.get('fa3_tree_ms'))} | {us(r.get('fa3_ms'))} "
-            f"| {ratio(r.get('best_vs_chain'))} | {us(r.get('sdpa_ms'))} "
-            f"| {r.get('bound', '-')} | {pct(r.get('roofline_frac'))} "
-            f"| {pct(r.get('best_roofline_frac'))} |"
+            f"| {_fmt(r.get('best_vs_chain'), '.2f')} | {us(r.get('sdpa_ms'))} "
+            f"| {r.get('bound', '-')} | {_fmt(r.get('roofline_frac'), '.0%')} "
+            f"| {_fmt(r.get('best_roofline_frac'), '.0%')} |"
         )
     return "\n".join(lines)
 

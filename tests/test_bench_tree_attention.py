@@ -72,7 +72,7 @@ def test_markdown_table_rows_and_missing_cells():
                 "roofline_ms": 0.0087,
                 "bound": "compute",
             }
-        ),  # fmt: skip
+        ),
         {"batch": 8, "ctx": 4096, "tree": 16, "error": "OOM"},
     ]
     lines = markdown_table(rows).splitlines()
