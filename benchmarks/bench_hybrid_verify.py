@@ -2,15 +2,25 @@
 
 Shape: a Qwen3.5-9B-like hybrid (24 GDN layers; 16 key / 32 value heads of
 128; conv width 4; fp32 state cache, bf16 activations), dummy data. Per
-batch size and budget ``B`` it times, per verify step over all GDN layers:
+batch size and budget ``B``, over all GDN layers of one verify step:
 
-* ``tree``: the plugin's Triton tree conv + tree recurrence over random
-  ``B + 1``-node trees, plus the accepted-path commit;
-* ``chain``: vLLM's own ``causal_conv1d_update`` +
+* ``tree_ms``: the plugin's Triton tree conv + tree recurrence over random
+  ``B + 1``-node trees;
+* ``tree_as_chain_ms``: the same kernels on a chain of ``B + 1`` nodes
+  (register-resident path, the best case);
+* ``chain16_ms``: vLLM's own ``causal_conv1d_update`` +
   ``fused_sigmoid_gating_delta_rule_update`` over a 16-token chain (stock
   DFlash's verify, 15 drafts), the number DDTree is traded against;
-* ``tree_as_chain``: the tree kernels on a chain of ``B + 1`` nodes
-  (register-resident path, the best case).
+* ``commit_fused_ms`` / ``commit_torch_ms``: the accepted-path commit of
+  all layers, by the two-launch Triton commit and by the per-layer torch
+  reference (what the runner did before the fused commit).
+
+Kernel rows are CUDA-graph replays of one layer (device time, no launch
+overhead) times the layer count; ``*_eager_ms`` are the same launched from
+Python (host-bound at small batch). The commits are timed eagerly, as the
+runner calls them; the fused one addresses one layer's caches 24 times
+(the tree batches do not fit 24 times in memory at batch 32, B=128), so
+its sources may partly hit L2.
 
 Projections, MoE/MLP and full attention are not included (they are shared
 with the dense path and measured in docs/benchmarks/tree_attention.md).
@@ -31,9 +41,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.test_tree_gdn_ops import make_gdn_batch  # noqa: E402
+from tests.test_tree_gdn_ops import leaf_paths, make_gdn_batch  # noqa: E402
 from vllm_ddtree.v1.ops import triton_tree_gdn  # noqa: E402
 from vllm_ddtree.v1.ops.tree_gdn import commit_tree_state  # noqa: E402
+from vllm_ddtree.v1.ops.triton_gdn_commit import GDNStateCommit  # noqa: E402
 
 NUM_GDN_LAYERS = 24
 HEADS, HEAD_DIMS, WIDTH = (16, 32), (128, 128), 4
@@ -48,6 +59,17 @@ def _bench(fn) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _bench_graph(fn) -> float:
+    """Median ms of a CUDA-graph replay of ``fn`` (compiled and warmed up
+    eagerly first: Triton's autotuning cannot run under capture)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _bench(graph.replay)
 
 
 def _batch(batch: int, nodes: int, kind: str):
@@ -66,9 +88,9 @@ def _batch(batch: int, nodes: int, kind: str):
     return b
 
 
-def _tree_step(b, path, path_len):
+def _tree_layer(b):
     def run():
-        out = triton_tree_gdn.tree_causal_conv1d_update(
+        triton_tree_gdn.tree_causal_conv1d_update(
             b.x, b.conv_state, b.conv_weight, b.conv_bias, "silu",
             b.conv_slots, b.query_start_loc, b.flat_parents,
         )  # fmt: skip
@@ -76,13 +98,33 @@ def _tree_step(b, path, path_len):
             b.q, b.k, b.v, b.a, b.b, b.A_log, b.dt_bias, b.ssm_state,
             b.state_indices, b.query_start_loc, b.flat_parents,
         )  # fmt: skip
-        commit_tree_state(
-            b.conv_state, b.ssm_state, b.conv_slots, b.state_indices, path,
-            path_len, WIDTH,
-        )  # fmt: skip
-        return out
 
     return run
+
+
+def _commits(b, budget: int):
+    """The fused all-layers commit and the per-layer torch commit of one
+    accepted path per request (the first ``min(B, 8) + 1`` nodes of a
+    root-to-leaf path, in the engine's slot layout)."""
+    batch = len(b.sizes)
+    path = torch.zeros(batch, budget + 1, dtype=torch.long)
+    for r, parents in enumerate(b.parents):
+        longest = max(leaf_paths(parents), key=len)[: min(budget, 8) + 1]
+        path[r, : len(longest)] = torch.tensor(longest)
+    path_len = (path != 0).sum(1) + 1
+    path, path_len = path.cuda(), path_len.cuda()
+    slots = b.state_indices
+    fused = GDNStateCommit(
+        [b.conv_state] * NUM_GDN_LAYERS, [b.ssm_state] * NUM_GDN_LAYERS
+    )
+
+    def torch_commit():
+        for _ in range(NUM_GDN_LAYERS):
+            commit_tree_state(
+                b.conv_state, b.ssm_state, slots[:, 0], slots, path, path_len, WIDTH
+            )
+
+    return lambda: fused(slots, path, path_len, WIDTH), torch_commit
 
 
 def _chain_step(b):
@@ -118,21 +160,30 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
+    layers = NUM_GDN_LAYERS
     for batch in args.batches:
-        chain = _bench(_chain_step(_batch(batch, 16, "chain"))) * NUM_GDN_LAYERS
+        chain = _chain_step(_batch(batch, 16, "chain"))
+        chain_ms = {
+            "chain16_ms": _bench_graph(chain) * layers,
+            "chain16_eager_ms": _bench(chain) * layers,
+        }
         for budget in args.budgets:
-            res = {"batch": batch, "B": budget, "chain16_ms": chain}
-            for kind, key in (("random", "tree_ms"), ("chain", "tree_as_chain_ms")):
+            res = {"batch": batch, "B": budget, **chain_ms}
+            for kind, key in (("chain", "tree_as_chain"), ("random", "tree")):
                 b = _batch(batch, budget + 1, kind)
-                depth = min(budget, 8)
-                path = torch.zeros(batch, depth + 1, dtype=torch.long, device="cuda")
-                path_len = torch.ones(batch, dtype=torch.long, device="cuda")
-                res[key] = _bench(_tree_step(b, path, path_len)) * NUM_GDN_LAYERS
+                res[f"{key}_ms"] = _bench_graph(_tree_layer(b)) * layers
+                res[f"{key}_eager_ms"] = _bench(_tree_layer(b)) * layers
+            fused, per_layer = _commits(b, budget)  # the random trees
+            res["commit_fused_ms"] = _bench(fused)
+            res["commit_torch_ms"] = _bench(per_layer)
             rows.append(res)
             print(
-                f"batch {batch:3d} B {budget:4d}: tree {res['tree_ms']:.3f} ms, "
-                f"tree-as-chain {res['tree_as_chain_ms']:.3f} ms, "
-                f"stock chain(16) {chain:.3f} ms  (x{NUM_GDN_LAYERS} GDN layers)",
+                f"batch {batch:3d} B {budget:4d} (x{layers} GDN layers, graphs): "
+                f"tree {res['tree_ms']:.3f} ms, tree-as-chain "
+                f"{res['tree_as_chain_ms']:.3f} ms, stock chain(16) "
+                f"{res['chain16_ms']:.3f} ms; eager: tree {res['tree_eager_ms']:.3f}"
+                f", chain {res['chain16_eager_ms']:.3f}; commit: fused "
+                f"{res['commit_fused_ms']:.3f} ms, torch {res['commit_torch_ms']:.3f}",
                 flush=True,
             )
     if args.out:

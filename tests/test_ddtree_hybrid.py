@@ -174,7 +174,9 @@ def test_control_without_commit_diverges(fixtures, target, reference, monkeypatc
     equality above depends on the GDN states being right."""
     from vllm_ddtree.v1.worker import ddtree_model_runner
 
-    monkeypatch.setattr(ddtree_model_runner, "commit_gdn_layer", lambda *a: None)
+    monkeypatch.setattr(
+        ddtree_model_runner, "commit_gdn_layers", lambda layers: lambda *a: None
+    )
     results, _ = _ddtree_run(fixtures, target, reference, 8, ((8, NUM_PROMPTS),))
     differ = sum(a != b[: len(a)] for a, b in zip(reference, results[8], strict=True))
     assert differ >= NUM_PROMPTS // 3, differ
@@ -231,15 +233,20 @@ def prefix_caching_check(
     38% on an AMX CPU, 2026-12-05)."""
     from vllm_ddtree.v1.worker import ddtree_model_runner
 
-    commit = ddtree_model_runner.commit_gdn_layer
+    make_commit = ddtree_model_runner.commit_gdn_layers
     boundary_copies = []
 
-    def counting_commit(layer, slots, path, path_len, dst_slots=None):
-        if dst_slots is not None:
-            boundary_copies.append(int((dst_slots != slots[:, 0]).sum()))
-        commit(layer, slots, path, path_len, dst_slots)
+    def counting_commits(layers):
+        commit = make_commit(layers)
 
-    monkeypatch.setattr(ddtree_model_runner, "commit_gdn_layer", counting_commit)
+        def counting(slots, path, path_len, dst_slots=None):
+            if dst_slots is not None:
+                boundary_copies.append(int((dst_slots != slots[:, 0]).sum()))
+            commit(slots, path, path_len, dst_slots)
+
+        return counting
+
+    monkeypatch.setattr(ddtree_model_runner, "commit_gdn_layers", counting_commits)
     llm = make()
     round1, second, _, _ = _pc_rounds(llm, None)
     assert min(map(len, round1)) >= PC_EXTEND

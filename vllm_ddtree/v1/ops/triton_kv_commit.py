@@ -42,6 +42,14 @@ def _move_rows_kernel(
         tl.store(slot_row, tl.load(scratch, mask=keep), mask=keep)
 
 
+def address_table(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``[len(tensors)]`` int64 device table of the tensors' base addresses
+    (the caller keeps the tensors alive)."""
+    return torch.tensor(
+        [t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device
+    )
+
+
 class SlotRowsCommit:
     """``rows[dst] = rows[src]`` in the slot-row views of many layers.
 
@@ -62,9 +70,7 @@ class SlotRowsCommit:
     def __init__(self, layer_rows: list[torch.Tensor]) -> None:
         first = layer_rows[0]
         self.layer_rows = layer_rows
-        self.table = torch.tensor(
-            [r.data_ptr() for r in layer_rows], dtype=torch.int64, device=first.device
-        )
+        self.table = address_table(layer_rows)
         self.width = first.shape[1]
         self.row_stride = first.stride(0)
         self.block = min(triton.next_power_of_2(self.width), 4096)

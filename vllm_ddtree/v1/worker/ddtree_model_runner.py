@@ -55,7 +55,7 @@ from vllm_ddtree.v1.attention.backends.tree_attn import (
     TreeAttentionInfo,
     publish_tree,
 )
-from vllm_ddtree.v1.attention.backends.tree_gdn_attn import commit_gdn_layer
+from vllm_ddtree.v1.attention.backends.tree_gdn_attn import commit_gdn_layers
 from vllm_ddtree.v1.sample.tree_rejection_sampler import (
     PositionSeededTopKTopP,
     TreeRejectionSampler,
@@ -153,6 +153,9 @@ class DDTreeModelRunnerMixin:
         self.verify_latency: LatencyModel | None = None
         self.full_graph_latency: LatencyModel | None = None
         self._kv_commits: dict[int, tuple[list, Callable | None]] | None = None
+        # Per Mamba KV-cache group, the commit of its GDN layers (built on
+        # first use; the caches do not move).
+        self._gdn_commits: dict[int, Callable[..., None]] = {}
 
     # -- step 3: positions and tree layout -------------------------------
 
@@ -387,16 +390,16 @@ class DDTreeModelRunnerMixin:
             table = self.input_batch.block_table[gid].get_device_tensor(num_reqs)
             table = table[rows]
             window = state_window(table, seq_lens, spec, mode)
+            commit = self._gdn_commits.get(gid)
+            if commit is None:
+                commit = commit_gdn_layers([layers[n] for n in group.layer_names])
+                self._gdn_commits[gid] = commit
             if mode == "align":
                 dst_slots, boundary_len = aligned_state_targets(
                     table, window, tree.ctx_len, seq_lens, accepted, spec.block_size
                 )
-                for name in group.layer_names:
-                    commit_gdn_layer(
-                        layers[name], window, path, boundary_len, dst_slots
-                    )
-            for name in group.layer_names:
-                commit_gdn_layer(layers[name], window, path, accepted + 1)
+                commit(window, path, boundary_len, dst_slots)
+            commit(window, path, accepted + 1)
 
     # -- step 7: keep the proposed trees, cut their budgets -----------------
 

@@ -220,36 +220,54 @@ def _non_spec_metadata(metadata: GDNAttentionMetadata) -> GDNAttentionMetadata:
     )
 
 
-def commit_gdn_layer(
-    layer: Any,
-    slots: torch.Tensor,
-    path: torch.Tensor,
-    path_len: torch.Tensor,
-    dst_slots: torch.Tensor | None = None,
-) -> None:
-    """Commit the accepted paths in one GDN layer's caches.
+def _layer_caches(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GDN layer's conv cache as a logical ``[slots, dim, cols]`` view and
+    its recurrent-state cache."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    conv_state, ssm_state = layer.kv_cache[0], layer.kv_cache[1]
+    if not is_conv_state_dim_first():
+        conv_state = conv_state.transpose(-1, -2)
+    return conv_state, ssm_state
+
+
+def commit_gdn_layers(layers: list[Any]) -> Callable[..., None]:
+    """The commit of the accepted paths in all of ``layers`` (the GDN layers
+    of one Mamba KV-cache group), called as ``commit(slots, path, path_len,
+    dst_slots=None)``.
 
     ``slots`` is ``[R, 1 + num_spec]`` (the tree rows' state slots; column 0
     is also the conv slot), ``path`` / ``path_len`` the walk's accepted nodes
     of those rows. Whole state slots are copied, so the platform's layout of
     a slot's memory does not matter. With ``dst_slots``, the state after
     ``path_len`` nodes goes there instead (see ``commit_tree_state``).
-    """
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
-    conv_state, ssm_state = layer.kv_cache[0], layer.kv_cache[1]
-    if not is_conv_state_dim_first():
-        conv_state = conv_state.transpose(-1, -2)
-    commit_tree_state(
-        conv_state,
-        ssm_state,
-        slots[:, 0],
-        slots,
-        path,
-        path_len,
-        layer.conv_kernel_size,
-        dst_slots,
-    )
+    On CUDA, caches of one geometry are committed by two Triton launches for
+    all layers (:mod:`vllm_ddtree.v1.ops.triton_gdn_commit`); otherwise layer
+    by layer with the torch reference.
+    """
+    caches = [_layer_caches(layer) for layer in layers]
+    width = layers[0].conv_kernel_size
+    if caches[0][0].is_cuda:
+        # Imported here: only GPU processes need Triton.
+        from vllm_ddtree.v1.ops.triton_gdn_commit import GDNStateCommit
+
+        fused = GDNStateCommit.for_layers(
+            [conv for conv, _ in caches], [ssm for _, ssm in caches]
+        )
+        if fused is not None:
+            return lambda slots, path, path_len, dst_slots=None: fused(
+                slots, path, path_len, width, dst_slots
+            )
+
+    def per_layer(slots, path, path_len, dst_slots=None) -> None:
+        for conv_state, ssm_state in caches:
+            commit_tree_state(
+                conv_state, ssm_state, slots[:, 0], slots, path, path_len, width,
+                dst_slots,
+            )  # fmt: skip
+
+    return per_layer
 
 
 def _make_cuda_layer():
@@ -258,7 +276,6 @@ def _make_cuda_layer():
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
         QwenGatedDeltaNetAttention,
     )
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     class TreeQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         """vLLM's Qwen GDN layer; tree rows go through the tree kernels."""
@@ -272,9 +289,7 @@ def _make_cuda_layer():
             tree = getattr(metadata, "tree", None)
             if tree is None:
                 return super()._forward_core(mixed_qkv, b, a, core_attn_out)
-            conv_state, ssm_state = self.kv_cache[0], self.kv_cache[1]
-            if not is_conv_state_dim_first():
-                conv_state = conv_state.transpose(-1, -2)
+            conv_state, ssm_state = _layer_caches(self)
             weight = self.conv1d.weight
             stock_core = super()._forward_core
 
