@@ -58,45 +58,55 @@ def _paths(batch, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return path, torch.tensor(lengths)
 
 
-def _worker() -> None:
+def commit_case(name: str, device: str = "cpu") -> dict:
+    """Run case ``name`` on ``device``: per layer, whether the Triton
+    commit's conv and recurrent caches equal the reference's, and whether
+    the reference changed each cache at all."""
     from vllm_ddtree.v1.ops.triton_gdn_commit import GDNStateCommit
 
-    for name, (sizes, num_layers, dim_first, elsewhere) in CASES.items():
-        res: dict = {}
+    sizes, num_layers, dim_first, elsewhere = CASES[name]
+    batch = make_gdn_batch(sizes, seed=len(name), spare_slots=len(sizes))
+    slots = batch.state_indices
+    width = batch.conv_weight.shape[1]
+    path, path_len = _paths(batch, seed=len(sizes))
+    dst = None
+    if elsewhere:
+        used = set(slots.flatten().tolist())
+        free = [s for s in range(1, batch.ssm_state.shape[0]) if s not in used]
+        dst = torch.tensor(free[: len(sizes)], dtype=torch.int32)
+    before = _layer_caches(batch, num_layers, dim_first)
+    want = [(c.clone(), s.clone()) for c, s in before]
+    for conv, ssm in want:
+        commit_tree_state(conv, ssm, slots[:, 0], slots, path, path_len, width, dst)
+    caches = [(c.to(device, copy=True), s.to(device, copy=True)) for c, s in before]
+    on_device = [t.to(device) if t is not None else None for t in (slots, dst)]
+    GDNStateCommit([c for c, _ in caches], [s for _, s in caches])(
+        on_device[0], path.to(device), path_len.to(device), width, on_device[1]
+    )
+    pairs = list(zip(caches, want, strict=True))
+    return {
+        "conv_equal": [torch.equal(c.cpu(), w) for (c, _), (w, _) in pairs],
+        "ssm_equal": [torch.equal(s.cpu(), w) for (_, s), (_, w) in pairs],
+        # The comparison can fail: the reference changed every cache.
+        "changed": [
+            not torch.equal(new, old)
+            for pair, old_pair in zip(want, before, strict=True)
+            for new, old in zip(pair, old_pair, strict=True)
+        ],
+    }
+
+
+def check_commit_case(rec: dict) -> None:
+    assert all(rec["changed"]), rec
+    assert all(rec["conv_equal"]) and all(rec["ssm_equal"]), rec
+
+
+def _worker() -> None:
+    for name in CASES:
         try:
-            batch = make_gdn_batch(sizes, seed=len(name), spare_slots=len(sizes))
-            slots = batch.state_indices
-            width = batch.conv_weight.shape[1]
-            path, path_len = _paths(batch, seed=len(sizes))
-            dst = None
-            if elsewhere:
-                used = set(slots.flatten().tolist())
-                free = [s for s in range(1, batch.ssm_state.shape[0]) if s not in used]
-                dst = torch.tensor(free[: len(sizes)], dtype=torch.int32)
-            caches = _layer_caches(batch, num_layers, dim_first)
-            want = [(c.clone(), s.clone()) for c, s in caches]
-            for conv, ssm in want:
-                commit_tree_state(
-                    conv, ssm, slots[:, 0], slots, path, path_len, width, dst
-                )
-            GDNStateCommit([c for c, _ in caches], [s for _, s in caches])(
-                slots, path, path_len, width, dst
-            )
-            res["conv_equal"] = [
-                torch.equal(c, w) for (c, _), (w, _) in zip(caches, want, strict=True)
-            ]
-            res["ssm_equal"] = [
-                torch.equal(s, w) for (_, s), (_, w) in zip(caches, want, strict=True)
-            ]
-            # The comparison can fail: the reference changed every cache.
-            before = _layer_caches(batch, num_layers, dim_first)
-            res["changed"] = [
-                not torch.equal(c, b)
-                for pair, old in zip(want, before, strict=True)
-                for c, b in zip(pair, old, strict=True)
-            ]
+            res = commit_case(name)
         except Exception as exc:
-            res["error"] = repr(exc)
+            res = {"error": repr(exc)}
         print_case(name, res)
 
 
@@ -105,9 +115,7 @@ interp_results = interpreter_fixture(__file__, timeout=300)
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_all_layers_gdn_commit_interpreted(interp_results, name):
-    rec = interpreted_case(interp_results, name)
-    assert all(rec["changed"]), rec
-    assert all(rec["conv_equal"]) and all(rec["ssm_equal"]), rec
+    check_commit_case(interpreted_case(interp_results, name))
 
 
 def test_all_layers_gdn_commit_is_for_cuda_caches_of_one_geometry():

@@ -16,6 +16,8 @@ from tests.test_tree_gdn_ops import (
     path_errors,
     run_tree_ops,
 )
+from tests.test_triton_gdn_commit import CASES as COMMIT_CASES
+from tests.test_triton_gdn_commit import check_commit_case, commit_case
 from vllm_ddtree.v1.ops import tree_gdn
 
 pytestmark = [
@@ -121,3 +123,9 @@ def test_triton_matches_vllm_fla_kernels_along_paths(sizes):
                 torch.testing.assert_close(
                     batch.ssm_state[s], ssm[s], atol=1e-5, rtol=1e-5
                 )
+
+
+@pytest.mark.parametrize("name", list(COMMIT_CASES))
+def test_all_layers_commit_matches_torch(name):
+    """The compiled two-launch commit (the CPU suite runs it interpreted)."""
+    check_commit_case(commit_case(name, "cuda"))
