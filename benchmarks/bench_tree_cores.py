@@ -88,8 +88,9 @@ def _inputs(num_reqs: int, budget: int):
     return values, tokens, parents, node_tokens, num_nodes, target
 
 
-def time_case(num_reqs: int, budget: int) -> dict:
-    """Torch and Triton times of the three cores at one ``(R, B)``."""
+def time_case(num_reqs: int, budget: int, build_warps: list[int]) -> dict:
+    """Torch and Triton times of the three cores at one ``(R, B)``, and the
+    build's device time with each of ``build_warps`` warps a program."""
     from vllm_ddtree.v1.attention.backends.tree_attn import pack_ancestor_mask
     from vllm_ddtree.v1.ops.triton_tree_cores import (
         build_trees_triton,
@@ -110,7 +111,7 @@ def time_case(num_reqs: int, budget: int) -> dict:
             parents, num_nodes, starts, sum(counts), DEPTHS
         ),
     }
-    return {
+    row = {
         "batch": num_reqs,
         "budget": budget,
         "build_torch_ms": _time_ms(lambda: build_trees(values, tokens, budget)),
@@ -124,19 +125,24 @@ def time_case(num_reqs: int, budget: int) -> dict:
         ),
         "mask_triton_ms": _time_ms(triton["mask"]),
     } | {f"{name}_triton_gpu_ms": _graph_ms(fn) for name, fn in triton.items()}
+    for w in build_warps:
+        row[f"build_triton_gpu_ms_warps{w}"] = _graph_ms(
+            lambda w=w: build_trees_triton(values, tokens, budget, num_warps=w)
+        )
+    return row
 
 
-def run(batch_sizes: list[int], budgets: list[int]) -> list[dict]:
+def run(
+    batch_sizes: list[int], budgets: list[int], build_warps: list[int]
+) -> list[dict]:
     rows = []
     for budget in budgets:
         for num_reqs in batch_sizes:
-            row = time_case(num_reqs, budget)
+            row = time_case(num_reqs, budget, build_warps)
             rows.append(row)
             print(
                 f"R={num_reqs:3d} B={budget:3d}  "
-                + "  ".join(
-                    f"{k[:-3]} {v:.3f}" for k, v in row.items() if k.endswith("_ms")
-                ),
+                + "  ".join(f"{k} {v:.3f}" for k, v in row.items() if "_ms" in k),
                 flush=True,
             )
     return rows
@@ -168,6 +174,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--budgets", default="16,64,256")
+    ap.add_argument(
+        "--build-warps",
+        default="",
+        help="comma-separated warp counts: also time the build with each",
+    )
     ap.add_argument("--out", type=Path, default=Path("tree_cores.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -175,6 +186,7 @@ def main() -> None:
     rows = run(
         [int(x) for x in args.batch_sizes.split(",")],
         [int(x) for x in args.budgets.split(",")],
+        [int(x) for x in args.build_warps.split(",") if x],
     )
     md = table(rows)
     print(md)

@@ -17,6 +17,8 @@
 #   bash scripts/h200_check.sh engine NAME SECONDS FILE K  # one engine test (pytest -k K)
 #   bash scripts/h200_check.sh hybrid  # hybrid engines: greedy eager / CUDA graphs, prefix caching (~9.7 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
+#   bash scripts/h200_check.sh verify-costs # GDN commit tests, the build's warp choices,
+#                                      # the GDN share of a verify step (~5 min)
 #   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits, tree-pass tiles, at engine shapes, + FA3 (~4 min)
 #   bash scripts/h200_check.sh shapes  # tree attention at the engine's shapes (chosen tiles), + FA3 (~2 min)
 #   bash scripts/h200_check.sh caches  # pack the compile / autotune caches into $OUT (see below)
@@ -45,7 +47,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async}
+mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -279,6 +281,13 @@ kernels)
   # The first GDN benchmark of a machine autotunes vLLM's FLA kernels (the
   # 2026-12-05 run timed out at 120 s; alone it took 220 s).
   step hybrid-verify 260 python3 benchmarks/bench_hybrid_verify.py \
+    --out "$out/hybrid_verify.json"
+  ;;
+verify-costs)
+  step gdn-kernels 150 python3 -m pytest -q -rf tests/gpu/test_tree_gdn_gpu.py
+  step tree-cores 90 python3 benchmarks/bench_tree_cores.py --batch-sizes 1,64 \
+    --budgets 16,64 --build-warps 2,4,8,16 --out "$out/tree_cores_warps.json"
+  step hybrid-verify 300 python3 benchmarks/bench_hybrid_verify.py \
     --out "$out/hybrid_verify.json"
   ;;
 sweep)

@@ -419,12 +419,16 @@ def build_trees_triton(
     topk_tokens: torch.Tensor,
     budget: int,
     force_spine: bool = False,
+    num_warps: int = 8,
 ) -> DraftTrees | None:
     """:func:`~vllm_ddtree.v1.spec_decode.tree.build_trees` in one launch:
     one program per request, one register sort per depth over the candidate
     pairs that can still make the depth's top ``budget``, then one sort over
     all depths' winners. Returns ``None`` when the candidate lists are too
-    long to sort in registers (the caller uses the torch build)."""
+    long to sort in registers (the caller uses the torch build).
+    ``num_warps`` sizes each request's program (a tuning knob: a program's
+    sorts run one after the other, so fewer warps can finish sooner;
+    ``benchmarks/bench_tree_cores.py --build-warps`` times the choices)."""
     num_reqs, depth_limit, k = topk_logprobs.shape
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
@@ -475,7 +479,7 @@ def build_trees_triton(
             FORCE_SPINE=force_spine,
             CP=pairs.shape[1],
             TP=total_p2,
-            num_warps=8,
+            num_warps=num_warps,
         )
     return DraftTrees(tokens=out_i[0], parents=out_i[1], depths=out_i[2], scores=scores)
 
