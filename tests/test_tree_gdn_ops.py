@@ -463,6 +463,8 @@ INTERP_CASES: dict[str, dict] = {
     "wide_and_deep": dict(sizes=[16, 9], seed=13),
     "bf16": dict(sizes=[7, 5], seed=14, dtype="bfloat16"),
     "width3_gqa1": dict(sizes=[8], seed=15, width=3, heads=(4, 4)),
+    # More nodes than the conv kernel's node tile (16).
+    "multi_tile": dict(sizes=[35, 2], seed=16),
 }
 
 

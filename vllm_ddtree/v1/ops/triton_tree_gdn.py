@@ -12,9 +12,12 @@ Same signatures, layouts and semantics as the torch versions in
   a chain-shaped tree costs what vLLM's chain kernel costs.
 * Conv: one program per ``(request, channel block)``. Each node's window is
   gathered by walking up to ``W - 1`` parent links (falling back to the
-  committed history at the root); after all nodes are done the program
-  rewrites its slice of the slot as ``history[1:] ++ x(nodes)``. The program
-  owns that slice, so reading before writing needs no cross-program sync.
+  committed history at the root), a tile of nodes at a time: the nodes are
+  independent, so a tile's ``W - 1`` rounds of dependent loads are shared
+  by all of its nodes instead of paid node after node. After all nodes are
+  done the program rewrites its slice of the slot as ``history[1:] ++
+  x(nodes)``. The program owns that slice, so reading before writing needs
+  no cross-program sync.
 """
 
 from __future__ import annotations
@@ -206,6 +209,7 @@ def _tree_conv1d_kernel(
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     r = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -220,34 +224,47 @@ def _tree_conv1d_kernel(
     else:
         b_bias = tl.zeros([BLOCK_C], dtype=tl.float32)
 
-    for t in range(0, num_nodes):
-        x_t = tl.load(x + (bos + t) * stride_x_t + c * stride_x_c, mask=cmask, other=0)
+    # Nodes are independent given their ancestors: BLOCK_T of them at a
+    # time, each tile climbing its W - 1 ancestor links together.
+    for t0 in range(0, num_nodes, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tmask = t < num_nodes
+        tile_mask = tmask[:, None] & cmask[None, :]
+        x_t = tl.load(
+            x + (bos + t)[:, None] * stride_x_t + c[None, :] * stride_x_c,
+            mask=tile_mask,
+            other=0,
+        )
         w_t = tl.load(w_base + (W - 1) * stride_w_k, mask=cmask, other=0)
-        acc = b_bias + w_t.to(tl.float32) * x_t.to(tl.float32)
+        acc = b_bias[None, :] + w_t.to(tl.float32)[None, :] * x_t.to(tl.float32)
         # Walk up the ancestors; past the root, read the committed history
         # from its newest column (W - 2) backwards.
-        node = t
-        hist_col = W - 1
+        node = tl.where(tmask, t, -1)
+        hist_col = tl.full([BLOCK_T], W - 1, tl.int64)
         for j in tl.static_range(1, W):
-            up = tl.load(parents + bos + node, mask=node >= 0, other=-1)
+            up = tl.load(parents + bos + node, mask=node >= 0, other=-1).to(tl.int64)
             hist_col = tl.where(node >= 0, W - 2, hist_col - 1)
             node = up
             from_x = tl.load(
-                x + (bos + node) * stride_x_t + c * stride_x_c,
-                mask=cmask & (node >= 0),
+                x + (bos + node)[:, None] * stride_x_t + c[None, :] * stride_x_c,
+                mask=tile_mask & (node >= 0)[:, None],
                 other=0,
             )
             from_h = tl.load(
-                s_base + hist_col * stride_s_l, mask=cmask & (node < 0), other=0
+                s_base[None, :] + hist_col[:, None] * stride_s_l,
+                mask=tile_mask & (node < 0)[:, None],
+                other=0,
             )
             w_j = tl.load(w_base + (W - 1 - j) * stride_w_k, mask=cmask, other=0)
-            acc += w_j.to(tl.float32) * (from_x.to(tl.float32) + from_h.to(tl.float32))
+            acc += w_j.to(tl.float32)[None, :] * (
+                from_x.to(tl.float32) + from_h.to(tl.float32)
+            )
         if SILU:
             acc = acc * tl.sigmoid(acc)
         tl.store(
-            out + (bos + t) * stride_o_t + c * stride_o_c,
+            out + (bos + t)[:, None] * stride_o_t + c[None, :] * stride_o_c,
             acc.to(out.dtype.element_ty),
-            mask=cmask,
+            mask=tile_mask,
         )
 
     # All windows are read: the slot becomes history[1:] ++ x(nodes).
@@ -255,12 +272,17 @@ def _tree_conv1d_kernel(
     for j in tl.static_range(0, W - 2):
         keep = tl.load(s_base + (j + 1) * stride_s_l, mask=cmask)
         tl.store(s_base + j * stride_s_l, keep, mask=cmask)
-    for t in range(0, num_nodes):
-        x_t = tl.load(x + (bos + t) * stride_x_t + c * stride_x_c, mask=cmask)
+    for t0 in range(0, num_nodes, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        tile_mask = (t < num_nodes)[:, None] & cmask[None, :]
+        x_t = tl.load(
+            x + (bos + t)[:, None] * stride_x_t + c[None, :] * stride_x_c,
+            mask=tile_mask,
+        )
         tl.store(
-            s_base + (W - 2 + t) * stride_s_l,
+            s_base[None, :] + (W - 2 + t)[:, None] * stride_s_l,
             x_t.to(conv_state.dtype.element_ty),
-            mask=cmask,
+            mask=tile_mask,
         )
 
 
@@ -282,7 +304,7 @@ def tree_causal_conv1d_update(
     assert width >= 2
     out = torch.empty_like(x)
     num_reqs = query_start_loc.shape[0] - 1
-    BLOCK_C = min(triton.next_power_of_2(dim), 256)
+    BLOCK_C = min(triton.next_power_of_2(dim), 64)
     grid = (num_reqs, triton.cdiv(dim, BLOCK_C))
     _tree_conv1d_kernel[grid](
         x, conv_state, weight, bias if bias is not None else x, out,
@@ -291,6 +313,6 @@ def tree_causal_conv1d_update(
         *conv_state.stride(), *weight.stride(),
         out.stride(0), out.stride(1),
         W=width, HAS_BIAS=bias is not None, SILU=activation is not None,
-        BLOCK_C=BLOCK_C, num_warps=4,
+        BLOCK_C=BLOCK_C, BLOCK_T=16, num_warps=4,
     )  # fmt: skip
     return out
