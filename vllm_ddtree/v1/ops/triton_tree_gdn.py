@@ -9,7 +9,9 @@ Same signatures, layouts and semantics as the torch versions in
   nodes in order with the float32 state in registers; only when a node's
   parent is not the previous node does it reload the parent's state from the
   parent's slot (stored by this same program earlier, hence the barrier), so
-  a chain-shaped tree costs what vLLM's chain kernel costs.
+  a chain-shaped tree costs what vLLM's chain kernel costs. The next node's
+  inputs are loaded while the current node updates the state (the branch
+  keeps Triton from pipelining the loop by itself).
 * Conv: one program per ``(request, channel block)``. Each node's window is
   gathered by walking up to ``W - 1`` parent links (falling back to the
   committed history at the root), a tile of nodes at a time: the nodes are
@@ -25,6 +27,34 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _node_inputs(
+    q, k, v, a, b, tok, hk, hv, o_k, o_v, mask_k, mask_v, neg_A, bias, scale,
+    softplus_beta, softplus_threshold, stride_q_t, stride_q_h, stride_k_t,
+    stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t,
+    USE_QK_L2NORM: tl.constexpr,
+):  # fmt: skip
+    """One node's normalised query and key, value, state decay and beta."""
+    b_q = tl.load(q + tok * stride_q_t + hk * stride_q_h + o_k, mask=mask_k, other=0)
+    b_k = tl.load(k + tok * stride_k_t + hk * stride_k_h + o_k, mask=mask_k, other=0)
+    b_v = tl.load(v + tok * stride_v_t + hv * stride_v_h + o_v, mask=mask_v, other=0)
+    b_q = b_q.to(tl.float32)
+    b_k = b_k.to(tl.float32)
+    b_v = b_v.to(tl.float32)
+    if USE_QK_L2NORM:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    b_q = b_q * scale
+    x = tl.load(a + tok * stride_a_t + hv).to(tl.float32) + bias
+    softplus = tl.where(
+        softplus_beta * x <= softplus_threshold,
+        tl.log(1 + tl.exp(softplus_beta * x)) / softplus_beta,
+        x,
+    )
+    beta = tl.sigmoid(tl.load(b + tok * stride_b_t + hv).to(tl.float32))
+    return b_q, b_k, b_v, tl.exp(neg_A * softplus), beta
 
 
 @triton.jit
@@ -90,9 +120,25 @@ def _tree_recurrent_kernel(
     b_h = tl.load(state + slot * stride_s_slot + h_offs, mask=mask_h, other=0)
     b_h = b_h.to(tl.float32)
 
+    # Node t's inputs are loaded during node t - 1 (they do not depend on
+    # the state), so their latency hides behind the previous update.
+    n_q, n_k, n_v, n_decay, n_beta = _node_inputs(
+        q, k, v, a, b, bos, hk, hv, o_k, o_v, mask_k, mask_v, neg_A, bias,
+        scale, softplus_beta, softplus_threshold, stride_q_t, stride_q_h,
+        stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_a_t, stride_b_t,
+        USE_QK_L2NORM,
+    )  # fmt: skip
     for t in range(0, num_nodes):
         tok = bos + t
+        b_q, b_k, b_v, decay, beta = n_q, n_k, n_v, n_decay, n_beta
         parent = tl.load(parents + tok)
+        own = tl.load(idx_row + t * stride_idx_c).to(tl.int64)
+        n_q, n_k, n_v, n_decay, n_beta = _node_inputs(
+            q, k, v, a, b, bos + tl.minimum(t + 1, num_nodes - 1), hk, hv, o_k,
+            o_v, mask_k, mask_v, neg_A, bias, scale, softplus_beta,
+            softplus_threshold, stride_q_t, stride_q_h, stride_k_t, stride_k_h,
+            stride_v_t, stride_v_h, stride_a_t, stride_b_t, USE_QK_L2NORM,
+        )  # fmt: skip
         if (t > 0) & (parent != t - 1):
             # Branch: continue from the parent's stored state.
             tl.debug_barrier()
@@ -100,32 +146,7 @@ def _tree_recurrent_kernel(
             b_h = tl.load(state + p_slot * stride_s_slot + h_offs, mask=mask_h, other=0)
             b_h = b_h.to(tl.float32)
 
-        b_q = tl.load(
-            q + tok * stride_q_t + hk * stride_q_h + o_k, mask=mask_k, other=0
-        )
-        b_k = tl.load(
-            k + tok * stride_k_t + hk * stride_k_h + o_k, mask=mask_k, other=0
-        )
-        b_v = tl.load(
-            v + tok * stride_v_t + hv * stride_v_h + o_v, mask=mask_v, other=0
-        )
-        b_q = b_q.to(tl.float32)
-        b_k = b_k.to(tl.float32)
-        b_v = b_v.to(tl.float32)
-        if USE_QK_L2NORM:
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_q = b_q * scale
-
-        x = tl.load(a + tok * stride_a_t + hv).to(tl.float32) + bias
-        softplus = tl.where(
-            softplus_beta * x <= softplus_threshold,
-            tl.log(1 + tl.exp(softplus_beta * x)) / softplus_beta,
-            x,
-        )
-        beta = tl.sigmoid(tl.load(b + tok * stride_b_t + hv).to(tl.float32))
-
-        b_h *= tl.exp(neg_A * softplus)
+        b_h *= decay
         b_v = (b_v - tl.sum(b_h * b_k[None, :], 1)) * beta
         b_h += b_v[:, None] * b_k[None, :]
         b_o = tl.sum(b_h * b_q[None, :], 1)
@@ -134,7 +155,6 @@ def _tree_recurrent_kernel(
             b_o.to(o.dtype.element_ty),
             mask=mask_v,
         )
-        own = tl.load(idx_row + t * stride_idx_c).to(tl.int64)
         tl.store(
             state + own * stride_s_slot + h_offs,
             b_h.to(state.dtype.element_ty),
