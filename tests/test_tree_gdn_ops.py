@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.utils import interpreted_case, interpreter_fixture, print_case
+from tests.utils import interpreted_case, interpreter_fixture, run_case
 from vllm_ddtree.v1.ops.tree_gdn import (
     commit_tree_state,
     tree_causal_conv1d_update,
@@ -474,21 +474,21 @@ def _worker() -> None:
     except Exception as exc:  # pragma: no cover - environment dependent
         print("SKIP " + json.dumps(f"cannot import triton kernels: {exc!r}"))
         return
-    for name, spec in INTERP_CASES.items():
+
+    def case(spec: dict) -> dict:
         spec = dict(spec)
         if "dtype" in spec:
             spec["dtype"] = getattr(torch, spec["dtype"])
         batch = make_gdn_batch(**spec)
         conv_before, ssm_before = batch.clone_states()
-        try:
-            conv_out, out = run_tree_ops(
-                batch, ttg.tree_causal_conv1d_update, ttg.tree_gated_delta_rule
-            )
-            res = path_errors(batch, conv_before, ssm_before, conv_out, out)
-            res["tol"] = 2e-2 if "dtype" in spec else 1e-4
-        except Exception as exc:
-            res = {"error": repr(exc)}
-        print_case(name, res)
+        conv_out, out = run_tree_ops(
+            batch, ttg.tree_causal_conv1d_update, ttg.tree_gated_delta_rule
+        )
+        res = path_errors(batch, conv_before, ssm_before, conv_out, out)
+        return res | {"tol": 2e-2 if "dtype" in spec else 1e-4}
+
+    for name, spec in INTERP_CASES.items():
+        run_case(name, lambda spec=spec: case(spec))
 
 
 interp_results = interpreter_fixture(__file__, timeout=900)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.test_tree_gdn_ops import leaf_paths, make_gdn_batch
-from tests.utils import interpreted_case, interpreter_fixture, print_case
+from tests.utils import interpreted_case, interpreter_fixture, run_case
 from vllm_ddtree.v1.ops.tree_gdn import commit_tree_state
 
 # name: (tree sizes, layers, conv cache dim-first, commit into other slots)
@@ -103,11 +103,7 @@ def check_commit_case(rec: dict) -> None:
 
 def _worker() -> None:
     for name in CASES:
-        try:
-            res = commit_case(name)
-        except Exception as exc:
-            res = {"error": repr(exc)}
-        print_case(name, res)
+        run_case(name, lambda name=name: commit_case(name))
 
 
 interp_results = interpreter_fixture(__file__, timeout=300)

@@ -332,6 +332,16 @@ def print_case(name: str, record: dict) -> None:
     print("CASE " + json.dumps({"name": name, **record}), flush=True)
 
 
+def run_case(name: str, run: Callable[[], dict]) -> None:
+    """Print the record ``run()`` returns for case ``name``, or the error it
+    raised (:func:`interpreted_case` then fails the case with it)."""
+    try:
+        record = run()
+    except Exception as exc:
+        record = {"error": repr(exc)}
+    print_case(name, record)
+
+
 def interpreter_fixture(test_file: str, timeout: float):
     """A module-scoped fixture holding the records of ``test_file``'s
     interpreter worker (see :func:`run_interpreter_worker`)."""
