@@ -161,6 +161,8 @@ class GDNStateCommit:
             return
         path = path.contiguous()
         has_dst = dst_slots is not None
+        # Without destinations the kernels never read DST_SLOTS: any device
+        # tensor fills the argument.
         dst = dst_slots if has_dst else path_len
         num_layers = len(self.ssm_states)
         ssm, conv = self.ssm_states[0], self.conv_states[0]
