@@ -348,7 +348,11 @@ def tree_gated_delta_rule(
         *ssm_state.stride(), *state_indices.stride(),
         HV=num_v_heads, GROUP=num_v_heads // num_k_heads, K=head_k, V=head_v,
         PER_SLOT=per_slot, REC=rec, BT=BT, BK=BK, BV=BV,
-        USE_QK_L2NORM=use_qk_l2norm, num_warps=4,
+        USE_QK_L2NORM=use_qk_l2norm,
+        # A 64-node block keeps [64, K] queries and keys and several
+        # [64, 64] matrices live: about 350 float32 registers a thread at
+        # K = 128 over 4 warps, half that over 8.
+        num_warps=8 if BT == 64 else 4,
     )  # fmt: skip
     return out
 
