@@ -32,7 +32,11 @@ import triton
 import triton.language as tl
 
 from vllm_ddtree.v1.ops.triton_kv_commit import address_table
-from vllm_ddtree.v1.ops.triton_tree_gdn import node_record_layout, slot_memory_is_dense
+from vllm_ddtree.v1.ops.triton_tree_gdn import (
+    node_record_base,
+    node_record_layout,
+    slot_memory_is_dense,
+)
 
 
 @triton.jit
@@ -40,14 +44,6 @@ def _path_end(PATH, PATH_LEN, r, stride_path_r):
     """Request ``r``'s node count along its path and its last node."""
     n = tl.load(PATH_LEN + r).to(tl.int64)
     return n, tl.load(PATH + r * stride_path_r + n - 1).to(tl.int64)
-
-
-@triton.jit
-def _record(base, row, stride_idx_c, stride_slot, PER_SLOT, REC, node):
-    """Start of ``node``'s record (``triton_tree_gdn.node_record_layout``)."""
-    col = 1 + node // PER_SLOT
-    rec_slot = tl.load(row + col * stride_idx_c).to(tl.int64)
-    return base + rec_slot * stride_slot + (node % PER_SLOT) * REC
 
 
 @triton.jit
@@ -92,11 +88,13 @@ def _commit_ssm_kernel(
         keep = keep & (dst != slot)
     offs = hv * stride_h + o_v[:, None] * stride_v + o_k[None, :] * stride_k
     state = tl.load(base + slot * stride_slot + offs, mask=keep, other=0).to(tl.float32)
-    records = (base, row, stride_idx_c, stride_slot, PER_SLOT, REC)
-    g_leaf = tl.load(_record(*records, leaf) + HV * V + hv).to(tl.float32)
+    records = (base, row, stride_idx_c, stride_slot)
+    leaf_rec = node_record_base(*records, leaf, leaf >= 0, PER_SLOT, REC)
+    g_leaf = tl.load(leaf_rec + HV * V + hv).to(tl.float32)
     state *= tl.exp(g_leaf)
     for p in range(0, n):
-        rec = _record(*records, tl.load(PATH + r * stride_path_r + p).to(tl.int64))
+        node = tl.load(PATH + r * stride_path_r + p).to(tl.int64)
+        rec = node_record_base(*records, node, node >= 0, PER_SLOT, REC)
         weight = tl.exp(g_leaf - tl.load(rec + HV * V + hv).to(tl.float32))
         u = tl.load(rec + hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
         key = tl.load(rec + HV * V + HV + hv * K + o_k, mask=mask_k, other=0)

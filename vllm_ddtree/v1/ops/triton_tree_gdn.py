@@ -130,7 +130,7 @@ def _unit_rows(ptr, rows, live, stride_t, o_k, mask_k, USE_QK_L2NORM: tl.constex
 
 
 @triton.jit
-def _record_base(
+def node_record_base(
     state, idx_row, stride_idx_c, stride_s_slot, node, live, PER_SLOT, REC
 ):
     """Start of each ``node``'s record (see :func:`node_record_layout`)."""
@@ -246,7 +246,7 @@ def _tree_parallel_kernel(
             g_j, _depth_j = _path_log_decay(parents_row, a_row, b_row, cols, *gating)
             k_j = _unit_rows(k_row, cols, cols >= 0, stride_k_t, o_k, mask_k,
                              USE_QK_L2NORM)  # fmt: skip
-            rec_j = _record_base(*records, cols, cols >= 0, PER_SLOT, REC)
+            rec_j = node_record_base(*records, cols, cols >= 0, PER_SLOT, REC)
             u_j = tl.load(rec_j[:, None] + hv * V + o_v[None, :], mask=mask_v[None, :])
             u_j = u_j.to(tl.float32)
             anc = _ancestor_mask(parents_row, node, cols)
@@ -283,7 +283,7 @@ def _tree_parallel_kernel(
             b_o.to(o.dtype.element_ty),
             mask=tv_mask,
         )
-        rec_i = _record_base(*records, rows, live, PER_SLOT, REC)
+        rec_i = node_record_base(*records, rows, live, PER_SLOT, REC)
         dtype = state.dtype.element_ty
         tl.store(rec_i[:, None] + hv * V + o_v[None, :], u_i.to(dtype), mask=tv_mask)
         if i_v == 0:
