@@ -22,6 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.test_tree_gdn_ops import root_path
+
 MAX_DEPTH = 15  # DFlash drafts 15 positions below the root
 
 
@@ -71,10 +73,7 @@ def _ancestor_mask(parents: list[int]) -> torch.Tensor:
     n = len(parents)
     mask = torch.zeros(n, n, dtype=torch.bool)
     for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
+        mask[i, root_path(parents, i)] = True
     return mask
 
 
@@ -105,10 +104,8 @@ def _parallel(parents, q, k, v, g, beta, s0):
 def _state_at(node: int, parents, k, u, big_g, s0):
     """The state after ``node``, rebuilt from S0 and its path's ``u``, ``k``."""
     h = big_g[node].exp() * s0
-    j = node
-    while j >= 0:
+    for j in root_path(parents, node):
         h = h + (big_g[node] - big_g[j]).exp() * torch.outer(u[j], k[j])
-        j = parents[j]
     return h
 
 

@@ -52,19 +52,23 @@ def random_parents(n: int, gen: torch.Generator, kind: str = "random") -> list[i
     return parents
 
 
+def root_path(parents: list[int], node: int) -> list[int]:
+    """Node indices from the root to ``node``."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
 def leaf_paths(parents: list[int]) -> list[list[int]]:
     """Every root-to-leaf path (node indices, root first)."""
     has_child = {p for p in parents if p >= 0}
-    paths = []
-    for leaf in range(len(parents)):
-        if leaf in has_child:
-            continue
-        path, node = [], leaf
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        paths.append(path[::-1])
-    return paths
+    return [
+        root_path(parents, leaf)
+        for leaf in range(len(parents))
+        if leaf not in has_child
+    ]
 
 
 @dataclass
@@ -228,15 +232,6 @@ def run_tree_ops(
     return conv_out, out
 
 
-def root_path(parents: list[int], node: int) -> list[int]:
-    """Node indices from the root to ``node``."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
-
-
 def triton_node_states(
     batch: GDNBatch, conv_after: torch.Tensor, ssm_after: torch.Tensor
 ) -> torch.Tensor:
@@ -257,6 +252,7 @@ def triton_node_states(
     dst = torch.arange(first, first + num_reqs, dtype=torch.int32, device=device)
     nodes = ssm_after.clone()
     longest = max(batch.sizes)
+    width = batch.conv_weight.shape[1]
     for t in range(longest):
         paths = [
             root_path(parents, min(t, n - 1))
@@ -266,7 +262,6 @@ def triton_node_states(
         for r, nodes_r in enumerate(paths):
             path[r, : len(nodes_r)] = torch.tensor(nodes_r)
         path_len = torch.tensor([len(p) for p in paths])
-        width = batch.conv_weight.shape[1]
         commit(batch.state_indices, path.to(device), path_len.to(device), width, dst)
         for r, n in enumerate(batch.sizes):
             if t < n:

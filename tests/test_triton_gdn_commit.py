@@ -81,18 +81,23 @@ def commit_case(name: str, device: str = "cpu") -> dict:
     slots = batch.state_indices
     width = batch.conv_weight.shape[1]
     path, path_len = _paths(batch, seed=len(sizes))
-    dst = None
+    dst, dst_len = None, path_len
     if elsewhere:
         used = set(slots.flatten().tolist())
         free = [s for s in range(1, batch.ssm_state.shape[0]) if s not in used]
         dst = torch.tensor(free[: len(sizes)], dtype=torch.int32)
+        # The last row has no boundary to write: as the runner does, its
+        # destination is its own committed slot with a path of the root only
+        # (a no-op that must leave the committed state to the commit proper).
+        dst[-1], dst_len = slots[-1, 0], path_len.clone()
+        dst_len[-1] = 1
     before = _layer_caches(batch, num_layers, dim_first)
     want = [(c.clone(), s.clone()) for c, s in before]
     for conv, ssm in want:
         batch.conv_state, batch.ssm_state = conv, ssm
         run_tree_ops(batch, tree_causal_conv1d_update, tree_gated_delta_rule)
         if dst is not None:
-            commit_tree_state(conv, ssm, slots[:, 0], slots, path, path_len, width, dst)
+            commit_tree_state(conv, ssm, slots[:, 0], slots, path, dst_len, width, dst)
         commit_tree_state(conv, ssm, slots[:, 0], slots, path, path_len, width)
 
     caches = [(c.to(device, copy=True), s.to(device, copy=True)) for c, s in before]
@@ -107,7 +112,7 @@ def commit_case(name: str, device: str = "cpu") -> dict:
     commit = GDNStateCommit([c for c, _ in caches], [s for _, s in caches])
     slots_d, path_d, len_d = (t.to(device) for t in (slots, path, path_len))
     if dst is not None:
-        commit(slots_d, path_d, len_d, width, dst.to(device))
+        commit(slots_d, path_d, dst_len.to(device), width, dst.to(device))
     commit(slots_d, path_d, len_d, width)
 
     written = [slots[:, 0]] + ([dst] if dst is not None else [])

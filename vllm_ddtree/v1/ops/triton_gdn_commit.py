@@ -184,6 +184,7 @@ class GDNStateCommit:
         self.heads, self.head_v, self.head_k = ssm_states[0].shape[1:]
         self.record, self.per_slot = node_record_layout(ssm_states[0])
         self.block_v = min(triton.next_power_of_2(self.head_v), 32)
+        self.block_k = triton.next_power_of_2(self.head_k)
 
     def __call__(
         self,
@@ -216,7 +217,7 @@ class GDNStateCommit:
             *state_indices.stride(), path.stride(0), *ssm.stride(),
             HV=self.heads, V=self.head_v, K=self.head_k, PER_SLOT=self.per_slot,
             REC=self.record, BV=self.block_v,
-            BK=triton.next_power_of_2(self.head_k), HAS_DST=has_dst,
+            BK=self.block_k, HAS_DST=has_dst,
         )  # fmt: skip
         grid = (num_reqs, num_layers, triton.cdiv(self.dim, self.block_c))
         _commit_conv_kernel[grid](

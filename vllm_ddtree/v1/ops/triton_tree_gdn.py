@@ -66,43 +66,40 @@ def slot_memory_is_dense(ssm_state: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _gates(
-    a_row, b_row, node, live, stride_a_t, stride_b_t, neg_A, bias, softplus_beta,
-    softplus_threshold,
-):  # fmt: skip
-    """Log decay and write strength (beta) of ``node`` (0 where not live);
-    ``a_row`` / ``b_row`` point at this head in the request's first row."""
+def _log_decay(
+    a_row, node, live, stride_a_t, neg_A, bias, softplus_beta, softplus_threshold
+):
+    """Log decay ``-exp(A_log) * softplus(a + dt_bias)`` of ``node`` (0
+    where not live); ``a_row`` points at this head in the request's first
+    row."""
     x = tl.load(a_row + node * stride_a_t, mask=live, other=0).to(tl.float32) + bias
     softplus = tl.where(
         softplus_beta * x <= softplus_threshold,
         tl.log(1 + tl.exp(softplus_beta * x)) / softplus_beta,
         x,
     )
-    beta = tl.sigmoid(
-        tl.load(b_row + node * stride_b_t, mask=live, other=0).to(tl.float32)
-    )
-    return tl.where(live, neg_A * softplus, 0), beta
+    return tl.where(live, neg_A * softplus, 0)
 
 
 @triton.jit
-def _path_log_decay(
-    parents_row, a_row, b_row, node, stride_a_t, stride_b_t, neg_A, bias,
-    softplus_beta, softplus_threshold,
-):  # fmt: skip
+def _path_log_decay(parents_row, a_row, node, gating):
     """Summed log decay from the root to each ``node`` (-1: none), and the
     number of links climbed (the deepest node's depth + 1)."""
     total = tl.where(node >= 0, 0.0, 0.0)
     steps = 0
     while tl.max(node) >= 0:
         live = node >= 0
-        log_decay, _ = _gates(
-            a_row, b_row, node, live, stride_a_t, stride_b_t, neg_A, bias,
-            softplus_beta, softplus_threshold,
-        )  # fmt: skip
-        total += log_decay
+        total += _log_decay(a_row, node, live, *gating)
         node = tl.load(parents_row + node, mask=live, other=-1).to(node.dtype)
         steps += 1
     return total, steps
+
+
+@triton.jit
+def _decays(anc, g_rows, g_cols):
+    """``exp(G_i - G_j)`` where ``anc[i, j]`` (node ``j`` is node ``i`` or an
+    ancestor), else 0."""
+    return tl.where(anc, tl.exp(tl.where(anc, g_rows[:, None] - g_cols[None, :], 0)), 0)
 
 
 @triton.jit
@@ -203,7 +200,7 @@ def _tree_parallel_kernel(
     b_row = b + bos * stride_b_t + hv
     q_row = q + bos * stride_q_t + hk * stride_q_h
     k_row = k + bos * stride_k_t + hk * stride_k_h
-    gating = (stride_a_t, stride_b_t, -tl.exp(tl.load(A_log + hv).to(tl.float32)),
+    gating = (stride_a_t, -tl.exp(tl.load(A_log + hv).to(tl.float32)),
               tl.load(dt_bias + hv).to(tl.float32), softplus_beta,
               softplus_threshold)  # fmt: skip
     records = (state, idx_row, stride_idx_c, stride_s_slot)
@@ -226,8 +223,9 @@ def _tree_parallel_kernel(
         rows = i0 + ar
         live = rows < num_nodes
         node = tl.where(live, rows, -1)
-        big_g, steps = _path_log_decay(parents_row, a_row, b_row, node, *gating)
-        _log_decay, beta = _gates(a_row, b_row, rows, live, *gating)
+        big_g, steps = _path_log_decay(parents_row, a_row, node, gating)
+        beta = tl.load(b_row + rows * stride_b_t, mask=live, other=0).to(tl.float32)
+        beta = tl.sigmoid(beta)
         k_i = _unit_rows(k_row, rows, live, stride_k_t, o_k, mask_k, USE_QK_L2NORM)
         q_i = _unit_rows(q_row, rows, live, stride_q_t, o_k, mask_k, USE_QK_L2NORM)
         q_i = q_i * scale
@@ -243,27 +241,22 @@ def _tree_parallel_kernel(
 
         for j0 in range(0, i0, BT):
             cols = j0 + ar
-            g_j, _depth_j = _path_log_decay(parents_row, a_row, b_row, cols, *gating)
+            g_j, _depth_j = _path_log_decay(parents_row, a_row, cols, gating)
             k_j = _unit_rows(k_row, cols, cols >= 0, stride_k_t, o_k, mask_k,
                              USE_QK_L2NORM)  # fmt: skip
             rec_j = node_record_base(*records, cols, cols >= 0, PER_SLOT, REC)
             u_j = tl.load(rec_j[:, None] + hv * V + o_v[None, :], mask=mask_v[None, :])
             u_j = u_j.to(tl.float32)
-            anc = _ancestor_mask(parents_row, node, cols)
-            decay = tl.where(
-                anc, tl.exp(tl.where(anc, big_g[:, None] - g_j[None, :], 0)), 0
-            )
+            decay = _decays(_ancestor_mask(parents_row, node, cols), big_g, g_j)
             kk = tl.dot(k_i, tl.trans(k_j), input_precision="ieee")
             qk = tl.dot(q_i, tl.trans(k_j), input_precision="ieee")
             rhs -= tl.dot(beta[:, None] * decay * kk, u_j, input_precision="ieee")
             b_o += tl.dot(decay * qk, u_j, input_precision="ieee")
 
-        anc = _ancestor_mask(parents_row, node, rows)
-        decay = tl.where(
-            anc, tl.exp(tl.where(anc, big_g[:, None] - big_g[None, :], 0)), 0
-        )
+        decay = _decays(_ancestor_mask(parents_row, node, rows), big_g, big_g)
         kk = tl.dot(k_i, tl.trans(k_i), input_precision="ieee")
-        mat_a = tl.where(anc & ~eye, beta[:, None] * decay * kk, 0)
+        # decay is 0 off the ancestor-or-self mask: only the diagonal goes.
+        mat_a = tl.where(eye, 0, beta[:, None] * decay * kk)
         # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A^m vanishes once m
         # exceeds the depth (no node has more proper ancestors).
         inv = tl.where(eye, 1.0, 0.0) - mat_a
@@ -330,8 +323,10 @@ def tree_gated_delta_rule(
     rec, per_slot = node_record_layout(ssm_state)
     if (max_nodes - 1) * per_slot < max_nodes:
         raise ValueError(
-            f"a state slot of {ssm_state[0].numel()} elements cannot hold two "
-            f"node records of {rec}: the tree recurrence needs head_k, head_v >= 4"
+            f"the records of {max_nodes} tree nodes need "
+            f"{triton.cdiv(max_nodes, per_slot)} state slots besides the "
+            f"committed one, but there are {max_nodes - 1} (a slot of "
+            f"{ssm_state[0].numel()} elements holds {per_slot} records of {rec})"
         )
     num_reqs = query_start_loc.shape[0] - 1
     out = torch.empty(num_tokens, num_v_heads, head_v, dtype=v.dtype, device=v.device)
