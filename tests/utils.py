@@ -31,7 +31,7 @@ from vllm import LLM, SamplingParams
 from vllm_ddtree.v1.attention.backends.tree_attn import UniformTreeBuffers
 
 # Qwen3-Next style hybrids (GDN linear attention + full attention).
-_HYBRID_MODEL_TYPES = {"qwen3_next"}
+_HYBRID_MODEL_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 
 
 def is_hybrid(model: str | Path) -> bool:

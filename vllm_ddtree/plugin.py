@@ -207,15 +207,19 @@ def _register_tree_gdn(platform) -> None:
 
 # Hybrid architectures whose linear-attention layers are vLLM's Qwen Gated
 # DeltaNet layers, the ones the tree path covers.
-_TREE_GDN_ARCHS = ("Qwen3NextForCausalLM",)
+_TREE_GDN_ARCHS = (
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 
 
 def _check_target(engine_args, target_model_config) -> None:
-    if target_model_config.uses_mrope:
+    if target_model_config.uses_xdrope_dim > 0:
         raise NotImplementedError(
-            f"method 'ddtree' does not support M-RoPE targets yet "
-            f"({target_model_config.model}): tree nodes get depth positions "
-            "through 1-D RoPE only. Use method 'dflash' for this model."
+            f"method 'ddtree' does not support XD-RoPE targets yet "
+            f"({target_model_config.model}): tree nodes get depth positions in "
+            "1-D RoPE and M-RoPE rows only. Use method 'dflash' for this model."
         )
     if not target_model_config.is_hybrid:
         return

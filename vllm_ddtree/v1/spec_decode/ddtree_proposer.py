@@ -84,7 +84,8 @@ class DDTreeProposer(DFlashProposer):
         """Reorder the next ``propose``'s target tokens (accepted path first).
 
         ``token_order[i]`` is the batch token whose id and hidden state go to
-        slot ``i``; ``linear_positions`` are the positions of the slots.
+        slot ``i``; ``linear_positions`` are the positions of the slots
+        (``[3, tokens]`` for M-RoPE targets).
         ``None`` means the last step verified no tree: keep vLLM's order.
         """
         if token_order is None:
@@ -114,7 +115,7 @@ class DDTreeProposer(DFlashProposer):
             order = order[:num_tokens]
             target_token_ids = target_token_ids[order]
             target_hidden_states = target_hidden_states[order]
-            target_positions = linear_positions[:num_tokens]
+            target_positions = linear_positions[..., :num_tokens]
         self.last_trees = None
         super().propose(
             self.ddtree.max_depth,

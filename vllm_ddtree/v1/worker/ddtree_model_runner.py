@@ -111,6 +111,8 @@ class VerifyPlan:
     Device tensors: ``root_index[r]`` is the batch token index of row ``r``'s
     root; ``node_tokens`` / ``node_rows`` / ``node_ids`` list every non-root
     node of every row, flattened, as batch token index, row and node index.
+    ``linear_positions`` are the batch's positions before the depth rewrite
+    (``[3, tokens]`` for M-RoPE targets, else ``[tokens]``).
     """
 
     root_index: torch.Tensor
@@ -243,8 +245,9 @@ class DDTreeModelRunnerMixin:
         )
 
         total = int(query_end[-1])
-        linear_positions = self.positions[:total].clone()
-        self.positions[node_tokens_t] += depths_t[node_rows_t, node_ids_t] - node_ids_t
+        linear_positions = self._shift_to_depth_positions(
+            total, node_tokens_t, depths_t[node_rows_t, node_ids_t] - node_ids_t
+        )
 
         self.rejection_sampler.step = TreeVerifyInput(
             parents_t, max_depth, self.positions[spec_metadata.logits_indices], rows
@@ -274,6 +277,27 @@ class DDTreeModelRunnerMixin:
             linear_positions=linear_positions,
             tree=tree,
         )
+
+    def _shift_to_depth_positions(
+        self, total: int, node_tokens: torch.Tensor, shift: torch.Tensor
+    ) -> torch.Tensor:
+        """Move each tree node from its linear position to the root's
+        position plus its depth (``shift`` per node token); returns the
+        batch's first ``total`` positions as they were.
+
+        M-RoPE targets (Qwen3.5) read their positions from three rows; a
+        generated (text) token has the same position in all three, so the
+        rows move together, and the returned positions are the three rows
+        (the DFlash drafter takes the first, as vLLM's proposer does).
+        """
+        if self.uses_mrope:
+            mrope = self.mrope_positions.gpu
+            linear = mrope[:, :total].clone()
+            mrope[:, node_tokens] += shift
+        else:
+            linear = self.positions[:total].clone()
+        self.positions[node_tokens] += shift
+        return linear
 
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
         """vLLM skips the drafter when its queries would pass the drafter's
@@ -332,7 +356,7 @@ class DDTreeModelRunnerMixin:
         self._compact_kv(src_tokens, dst_tokens)
         if plan.tree is not None and self.model_config.is_hybrid:
             self._commit_recurrent_state(plan.tree, walk)
-        order = torch.arange(plan.linear_positions.shape[0], device=device)
+        order = torch.arange(plan.linear_positions.shape[-1], device=device)
         order[dst_tokens] = src_tokens
         self.drafter.set_accepted_order(order, plan.linear_positions)
 
