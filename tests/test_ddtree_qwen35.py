@@ -128,16 +128,20 @@ def models(fixtures, tmp_path_factory) -> tuple[Path, Path]:
     return target, drafter
 
 
-@pytest.fixture(scope="module")
-def reference(models) -> list[list[int]]:
-    target, _ = models
-    llm = make_llm(target, skip_tokenizer_init=True, **ENGINE_ARGS)
+def qwen35_reference(target: Path, **engine_args) -> list[list[int]]:
+    """No-spec greedy outputs, each cut before its first near-tie."""
+    llm = make_llm(target, skip_tokenizer_init=True, **ENGINE_ARGS, **engine_args)
     assert llm.llm_engine.vllm_config.model_config.uses_mrope
     # A random model meets bf16 near-ties often: about 30% of the tokens
     # come before each output's first one (the comparison's substance).
     out = no_spec_reference(llm, _prompts(), min_fraction=0.25)
     shutdown_llm(llm)
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(models) -> list[list[int]]:
+    return qwen35_reference(models[0])
 
 
 def _ddtree_run(models, reference, batches, rank_weights, **engine_args):
