@@ -454,6 +454,9 @@ def _engine_settings(args) -> dict:
     }
     if args.load_format == "dummy":
         settings["skip_tokenizer_init"] = True
+    if "vision_config" in _config(args.target):
+        # A vision-language checkpoint (Qwen3.5) benchmarked on text.
+        settings["language_model_only"] = True
     if _is_hybrid(args.target):
         # A tree reloads parent states from the cache: keep them exact.
         settings["mamba_ssm_cache_dtype"] = "float32"
@@ -467,9 +470,14 @@ def _engine_settings(args) -> dict:
     return settings
 
 
+def _config(target: str) -> dict:
+    return json.loads((Path(target) / "config.json").read_text())
+
+
 def _is_hybrid(target: str) -> bool:
-    config = json.loads((Path(target) / "config.json").read_text())
-    return "layer_types" in config and "linear_attention" in config["layer_types"]
+    config = _config(target)
+    layers = config.get("text_config", config).get("layer_types", [])
+    return "linear_attention" in layers
 
 
 def _on_gpu() -> bool:

@@ -30,6 +30,8 @@
 #   bash scripts/h200_check.sh e2e-8b-async-flash  # + DDTree with ddtree.flash_context, same table (~4 min)
 #   bash scripts/h200_check.sh e2e-hybrid  # dummy Qwen3.5-9B-like hybrid: no-spec / DFlash / DDTree (~9 min;
 #                                        # E2E_BATCHES=1 for batch 1 only)
+#   bash scripts/h200_check.sh e2e-qwen35  # the same on dummy Qwen3.5-9B (M-RoPE, served
+#                                        # language-model only) (~9 min; E2E_BATCHES=1 for batch 1)
 #   bash scripts/h200_check.sh e2e-30b  # the same on dummy Qwen3-30B-A3B (MoE) (~9 min)
 #   bash scripts/h200_check.sh profile # DDTree B=64 and DFlash (V1) steps of dummy Qwen3-8B profiled (~9 min)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
@@ -47,7 +49,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async}
+mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|e2e-qwen35|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -334,6 +336,11 @@ e2e-hybrid)
   # MLPs), dummy weights: a tree verify step vs a chain verify step. The
   # first engine of a fresh machine also autotunes the FLA kernels (~200 s).
   e2e_dummy e2e-hybrid qwen3next-9b
+  ;;
+e2e-qwen35)
+  # The real Qwen3.5-9B architecture (Qwen3_5ForConditionalGeneration), now
+  # that DDTree moves M-RoPE rows; token ids are placeholders in its vocab.
+  e2e_dummy e2e-qwen35 qwen3.5-9b
   ;;
 e2e-30b)
   # Qwen3-30B-A3B (MoE, 3B active), dummy weights: ~61 GB to initialise.

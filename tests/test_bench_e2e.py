@@ -90,3 +90,24 @@ def test_split_grid_keeps_one_set_of_engine_settings(async_scheduling):
     alone = _args([16, 64])
     alone.max_model_len = _tokens_needed(alone) + 1
     assert _engine_settings(alone)["max_num_batched_tokens"] == 64 * 65
+
+
+@pytest.mark.parametrize(
+    ("config", "hybrid", "vision"),
+    [
+        ("qwen3-8b", False, False),
+        ("qwen3next-9b", True, False),
+        # Qwen3.5: the GDN layers are listed under text_config, and the
+        # vision tower is left out of a text benchmark.
+        ("qwen3.5-9b", True, True),
+    ],
+)
+def test_engine_settings_follow_the_target_config(config, hybrid, vision):
+    from pathlib import Path
+
+    args = _args([64])
+    args.target = str(Path(__file__).parents[1] / "benchmarks" / "configs" / config)
+    args.max_model_len = _tokens_needed(args) + 1
+    settings = _engine_settings(args)
+    assert ("mamba_ssm_cache_dtype" in settings) == hybrid
+    assert settings.get("language_model_only", False) == vision
