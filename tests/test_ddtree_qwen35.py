@@ -132,9 +132,10 @@ def qwen35_reference(target: Path, **engine_args) -> list[list[int]]:
     """No-spec greedy outputs, each cut before its first near-tie."""
     llm = make_llm(target, skip_tokenizer_init=True, **ENGINE_ARGS, **engine_args)
     assert llm.llm_engine.vllm_config.model_config.uses_mrope
-    # A random model meets bf16 near-ties often: about 30% of the tokens
-    # come before each output's first one (the comparison's substance).
-    out = no_spec_reference(llm, _prompts(), min_fraction=0.25)
+    # A random model meets bf16 near-ties often: 30% of the tokens come
+    # before each output's first one on an AMX CPU (the comparison's
+    # substance; the bound leaves room for other CPUs' rounding).
+    out = no_spec_reference(llm, _prompts(), min_fraction=0.2)
     shutdown_llm(llm)
     return out
 
