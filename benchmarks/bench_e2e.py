@@ -454,10 +454,11 @@ def _engine_settings(args) -> dict:
     }
     if args.load_format == "dummy":
         settings["skip_tokenizer_init"] = True
-    if "vision_config" in _config(args.target):
+    config = json.loads((Path(args.target) / "config.json").read_text())
+    if "vision_config" in config:
         # A vision-language checkpoint (Qwen3.5) benchmarked on text.
         settings["language_model_only"] = True
-    if _is_hybrid(args.target):
+    if _is_hybrid(config):
         # A tree reloads parent states from the cache: keep them exact.
         settings["mamba_ssm_cache_dtype"] = "float32"
         if on_gpu:
@@ -470,12 +471,9 @@ def _engine_settings(args) -> dict:
     return settings
 
 
-def _config(target: str) -> dict:
-    return json.loads((Path(target) / "config.json").read_text())
-
-
-def _is_hybrid(target: str) -> bool:
-    config = _config(target)
+def _is_hybrid(config: dict) -> bool:
+    """Whether a ``config.json`` lists linear-attention (GDN) layers, at the
+    top or under ``text_config`` (vision-language checkpoints)."""
     layers = config.get("text_config", config).get("layer_types", [])
     return "linear_attention" in layers
 

@@ -124,13 +124,20 @@ def reference(target) -> list[list[int]]:
     return out
 
 
-def _ddtree_run(fixtures, target, reference, budget, batches, **engine_args):
-    prompts = _prompts()
-    oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, reference, strict=True)})
-    spec = ddtree_config(fixtures.hybrid_drafter, budget)
+def oracle_tree_run(
+    target: Path,
+    speculative_config: dict,
+    oracle: Oracle,
+    prompts: list[list[int]],
+    batches: tuple[tuple[int, int], ...],
+    **engine_args,
+) -> tuple[dict[int, list[list[int]]], float]:
+    """Greedy outputs of a DDTree engine led by ``oracle``, per batch size
+    (``batches``: (batch size, number of prompts)), and the engine's mean
+    acceptance length."""
     results = {}
     with oracle_drafter(oracle):
-        llm = make_llm(target, speculative_config=spec, **ENGINE_ARGS, **engine_args)
+        llm = make_llm(target, speculative_config=speculative_config, **engine_args)
         scheduler_config = llm.llm_engine.vllm_config.scheduler_config
         assert scheduler_config.async_scheduling == engine_args.get(
             "async_scheduling", False
@@ -141,6 +148,15 @@ def _ddtree_run(fixtures, target, reference, budget, batches, **engine_args):
         accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
         shutdown_llm(llm)
     return results, 1 + accepted / drafts
+
+
+def _ddtree_run(fixtures, target, reference, budget, batches, **engine_args):
+    prompts = _prompts()
+    oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, reference, strict=True)})
+    spec = ddtree_config(fixtures.hybrid_drafter, budget)
+    return oracle_tree_run(
+        target, spec, oracle, prompts, batches, **ENGINE_ARGS, **engine_args
+    )
 
 
 @pytest.mark.parametrize("budget", [1, 8, 64])

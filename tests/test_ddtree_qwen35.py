@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.oracle_drafter import Oracle, oracle_drafter
-from tests.test_ddtree_hybrid import _generate, no_spec_reference
+from tests.oracle_drafter import Oracle
+from tests.test_ddtree_hybrid import no_spec_reference, oracle_tree_run
 from tests.utils import (
     cpu_async_scheduling,
     ddtree_config,
     make_llm,
-    metric,
     shutdown_llm,
 )
 
@@ -149,20 +148,16 @@ def _ddtree_run(models, reference, batches, rank_weights, **engine_args):
     target, drafter = models
     prompts = _prompts()
     sequences = {tuple(p): p + o for p, o in zip(prompts, reference, strict=True)}
-    oracle = Oracle(sequences, rank_weights)
-    with oracle_drafter(oracle):
-        llm = make_llm(
-            target,
-            skip_tokenizer_init=True,
-            speculative_config=ddtree_config(drafter, 8),
-            **ENGINE_ARGS,
-            **engine_args,
-        )
-        results = {b: _generate(llm, prompts[:n], b) for b, n in batches}
-        drafts = metric(llm, "vllm:spec_decode_num_drafts")
-        accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
-        shutdown_llm(llm)
-    return results, 1 + accepted / drafts
+    return oracle_tree_run(
+        target,
+        ddtree_config(drafter, 8),
+        Oracle(sequences, rank_weights),
+        prompts,
+        batches,
+        skip_tokenizer_init=True,
+        **ENGINE_ARGS,
+        **engine_args,
+    )
 
 
 def _mismatches(reference, got) -> list[int]:
