@@ -210,7 +210,7 @@ graphs)
   engine_test engine-adaptive 150 tests/gpu/test_ddtree_engine_gpu.py full_graphs
   ;;
 sampling)
-  step sampler 120 python3 -m pytest -q -rf tests/gpu/test_tree_sampling_gpu.py
+  step sampler 120 python3 -m pytest -q -rf tests/test_keyed_gumbel.py
   engine_test engine-seeded 300 tests/gpu/test_ddtree_engine_gpu.py seeded
   ;;
 serve)

@@ -32,7 +32,7 @@ def test_verify_rows_maps():
     """Logit rows / draft rows of requests with 2, 0 and 1 drafts."""
     num_draft = np.array([2, 0, 1])
     arrays = VerifyRows.host_arrays(num_draft)
-    rows = VerifyRows.from_device(HostStaging("cpu").upload(*arrays), arrays[-1])
+    rows = VerifyRows.from_device(HostStaging("cpu").upload(*arrays))
     assert rows.num_nodes.tolist() == [3, 1, 2]
     assert rows.logit_rows.tolist() == [[0, 1, 2], [3, 0, 0], [4, 5, 0]]
     assert rows.is_draft.tolist() == [

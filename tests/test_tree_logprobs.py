@@ -30,8 +30,7 @@ def test_output_logprobs_follow_the_accepted_path(mode):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(int((NUM_DRAFT + 1).sum()), VOCAB, generator=gen)
     rows = VerifyRows.from_device(
-        [torch.from_numpy(a) for a in VerifyRows.host_arrays(NUM_DRAFT)],
-        VerifyRows.host_arrays(NUM_DRAFT)[-1],
+        [torch.from_numpy(a) for a in VerifyRows.host_arrays(NUM_DRAFT)]
     )
     # Request 0 accepted nodes 2 then 3 (not node 1), request 1 nothing.
     walk = WalkResult(

@@ -6,12 +6,12 @@ request row of the verify batch carries ``n`` drafted nodes plus the root, and
 vLLM already computes target logits at all ``n + 1`` of them (in node order).
 The target's token at every node is its argmax (greedy) or a sample from the
 request's processed distribution (temperature / top-k / top-p);
-:func:`walk_trees` then follows those choices. On a GPU the sample is vLLM's
-own Gumbel-max draw keyed by the request's seed and the node's position (the
-V2 runner's sampler): nodes at one depth share their noise, nodes at
-different depths do not, and a seeded request gets, token for token, the
-samples vLLM's V2 runner draws without speculation. On CPU seeded requests
-draw from their own generator. No draft
+:func:`walk_trees` then follows those choices. The sample is a Gumbel-max
+draw keyed by the request's seed and the node's position, as vLLM's V2
+runner draws it (:mod:`keyed_gumbel`): nodes at one depth share their noise,
+nodes at different depths do not, and a seeded request gets the same tokens
+whatever its trees (on a GPU, token for token the samples vLLM's V2 runner
+draws without speculation). No draft
 probabilities are involved: every emitted token is a target sample given its
 exact prefix, so the output distribution is the target's (no Leviathan-style
 ``min(1, p/q)`` test, which is biased for top-k trees).
@@ -34,6 +34,10 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
+from vllm_ddtree.v1.sample.keyed_gumbel import (
+    keyed_gumbel_sample,
+    scale_by_temperature,
+)
 from vllm_ddtree.v1.spec_decode.tree import WalkResult, walk_trees
 
 
@@ -45,8 +49,7 @@ class VerifyRows:
 
     ``[R, W]`` maps over node ``j`` of request ``r`` (``W`` the widest tree):
     ``logit_rows`` and ``draft_rows`` (0 where invalid), ``is_draft`` (a
-    valid non-root node); ``node_req`` (device) and ``node_req_np`` (host)
-    give every logit row's request.
+    valid non-root node); ``node_req`` gives every logit row's request.
     """
 
     num_nodes: torch.Tensor
@@ -54,11 +57,10 @@ class VerifyRows:
     draft_rows: torch.Tensor
     is_draft: torch.Tensor
     node_req: torch.Tensor
-    node_req_np: np.ndarray
 
     @staticmethod
     def host_arrays(num_draft: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The maps on the host, in field order (``node_req_np`` last)."""
+        """The maps on the host, in field order."""
         num_nodes = num_draft + 1
         width = int(num_nodes.max())
         node_ids = np.arange(width)
@@ -74,14 +76,10 @@ class VerifyRows:
         return num_nodes, logit_rows, draft_rows, is_draft, node_req
 
     @classmethod
-    def from_device(
-        cls, tensors: list[torch.Tensor], node_req_np: np.ndarray
-    ) -> VerifyRows:
+    def from_device(cls, tensors: list[torch.Tensor]) -> VerifyRows:
         """From the device copies of :meth:`host_arrays` (any int dtype)."""
         num_nodes, logit_rows, draft_rows, is_draft, node_req = tensors
-        return cls(
-            num_nodes, logit_rows, draft_rows, is_draft.bool(), node_req, node_req_np
-        )
+        return cls(num_nodes, logit_rows, draft_rows, is_draft.bool(), node_req)
 
 
 @dataclass
@@ -117,16 +115,21 @@ def _top_k_top_p_per_row(
     )
 
 
+def _request_temperatures(sampling_metadata: SamplingMetadata) -> torch.Tensor:
+    """Each request's float32 temperature, 0 for greedy requests."""
+    temperature = sampling_metadata.temperature.float()
+    return torch.where(temperature < _GREEDY_EPS, 0.0, temperature)
+
+
 def _processed_logits(
     logits: torch.Tensor, node_req: torch.Tensor, sampling_metadata: SamplingMetadata
 ) -> torch.Tensor:
     """Float logit rows after their request's temperature (greedy rows keep
     theirs) and top-k / top-p: the distribution a row's token is drawn from."""
-    temperature = sampling_metadata.temperature[node_req]
-    temperature = torch.where(temperature < _GREEDY_EPS, 1.0, temperature)
-    return _top_k_top_p_per_row(
-        logits.float() / temperature[:, None], node_req, sampling_metadata
+    scaled = scale_by_temperature(
+        logits, node_req, _request_temperatures(sampling_metadata)
     )
+    return _top_k_top_p_per_row(scaled, node_req, sampling_metadata)
 
 
 def request_seeds(
@@ -153,15 +156,14 @@ def request_seeds(
 class PositionSeededTopKTopP(torch.nn.Module):
     """Wraps vLLM's V1 ``TopKTopPSampler`` (the last stage of its ``Sampler``)
     so that steps without drafts (prefills, steps whose drafter was skipped)
-    draw, on a GPU, the same Gumbel-max sample as the tree verification:
-    keyed by (request seed, position), as vLLM's V2 runner draws it.
-    Without it a seeded request's first token came from the V1 generator and
-    its later tokens from the V2 keying, matching neither runner's
-    no-speculation output.
+    draw the same Gumbel-max sample as the tree verification: keyed by
+    (request seed, position). Without it a seeded request's first token came
+    from the V1 generator and its later tokens from the keying, so its
+    output would depend on where the drafter was skipped.
 
     The runner publishes ``positions`` (one per logit row, rows are requests)
     before every step that samples through vLLM's ``Sampler``; it is used once.
-    Unpublished (CPU, dummy runs), the wrapped sampler runs unchanged.
+    Unpublished (dummy runs), the wrapped sampler runs unchanged.
     """
 
     def __init__(self, inner: torch.nn.Module, use_fp64_gumbel: bool) -> None:
@@ -178,10 +180,8 @@ class PositionSeededTopKTopP(torch.nn.Module):
         p: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         positions, self.positions = self.positions, None
-        if positions is None or not logits.is_cuda:
+        if positions is None:
             return self.inner(logits, generators, k, p)
-        from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
-
         # ``logits`` already carry the temperature (vLLM's Sampler applied
         # it); greedy rows are replaced by their argmax after this call.
         logits = apply_top_k_top_p(logits, k, p)
@@ -193,14 +193,13 @@ class PositionSeededTopKTopP(torch.nn.Module):
             processed = logits.log_softmax(dim=-1, dtype=torch.float32)
         num_rows = logits.shape[0]
         rows = torch.arange(num_rows, device=logits.device)
-        sampled = gumbel_sample(
+        sampled = keyed_gumbel_sample(
             logits,
             rows,
             torch.ones(num_rows, dtype=torch.float32, device=logits.device),
             request_seeds(generators, num_rows, logits.device),
             positions,
-            apply_temperature=False,
-            use_fp64=self.use_fp64_gumbel,
+            self.use_fp64_gumbel,
         )
         return sampled, processed
 
@@ -228,20 +227,18 @@ class TreeRejectionSampler(RejectionSampler):
             # No tree published (vLLM's dummy sampler run): verify chains.
             width = int(num_draft.max()) + 1
             chain = torch.arange(-1, width - 1, device=device)
-            step = TreeVerifyInput(chain.expand(len(num_draft), width), width - 1)
+            step = TreeVerifyInput(
+                chain.expand(len(num_draft), width),
+                width - 1,
+                torch.zeros(logits.shape[0], dtype=torch.int64, device=device),
+            )
         rows = step.rows
         if rows is None:
             arrays = VerifyRows.host_arrays(num_draft)
             rows = VerifyRows.from_device(
-                [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays],
-                arrays[-1],
+                [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
             )
-        if logits.is_cuda and step.positions is not None:
-            choices = self._gumbel_choices(
-                logits, rows, step.positions, sampling_metadata
-            )
-        else:
-            choices = self._target_choices(logits, rows, sampling_metadata)
+        choices = self._target_choices(logits, rows, step.positions, sampling_metadata)
         target_tokens = choices[rows.logit_rows]
         node_tokens = torch.where(
             rows.is_draft, metadata.draft_token_ids[rows.draft_rows].long(), -1
@@ -316,32 +313,6 @@ class TreeRejectionSampler(RejectionSampler):
         self,
         logits: torch.Tensor,
         rows: VerifyRows,
-        sampling_metadata: SamplingMetadata,
-    ) -> torch.Tensor:
-        """The target's token at every logit row: argmax or a sample."""
-        greedy_tokens = logits.argmax(dim=-1)
-        if sampling_metadata.all_greedy:
-            return greedy_tokens
-        node_req, node_req_np = rows.node_req, rows.node_req_np
-        is_greedy = sampling_metadata.temperature[node_req] < _GREEDY_EPS
-        probs = _processed_logits(logits, node_req, sampling_metadata).softmax(-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p;
-        # seeded requests draw their E from their own generator.
-        race = torch.empty_like(probs).exponential_()
-        if sampling_metadata.generators:
-            for req, generator in sampling_metadata.generators.items():
-                req_rows = np.nonzero(node_req_np == req)[0]
-                if len(req_rows):
-                    race[req_rows[0] : req_rows[-1] + 1].exponential_(
-                        generator=generator
-                    )
-        sampled = (probs / race).argmax(dim=-1)
-        return torch.where(is_greedy, greedy_tokens, sampled)
-
-    def _gumbel_choices(
-        self,
-        logits: torch.Tensor,
-        rows: VerifyRows,
         positions: torch.Tensor,
         sampling_metadata: SamplingMetadata,
     ) -> torch.Tensor:
@@ -352,23 +323,12 @@ class TreeRejectionSampler(RejectionSampler):
         one every step."""
         if sampling_metadata.all_greedy:
             return logits.argmax(dim=-1)
-        # Imported here: vLLM's V2 sampling ops are Triton (GPU) code.
-        from vllm.v1.worker.gpu.sample.gumbel import apply_temperature, gumbel_sample
-
-        device = logits.device
         num_reqs = sampling_metadata.temperature.shape[0]
-        node_req = rows.node_req
-        temperature = sampling_metadata.temperature.float()
-        temperature = torch.where(temperature < _GREEDY_EPS, 0.0, temperature)
-        seeds = request_seeds(sampling_metadata.generators, num_reqs, device)
-        processed = logits.float().clone()
-        apply_temperature(processed, node_req, temperature)
-        return gumbel_sample(
-            _top_k_top_p_per_row(processed, node_req, sampling_metadata),
-            node_req,
-            temperature,
-            seeds,
+        return keyed_gumbel_sample(
+            _processed_logits(logits, rows.node_req, sampling_metadata),
+            rows.node_req,
+            _request_temperatures(sampling_metadata),
+            request_seeds(sampling_metadata.generators, num_reqs, logits.device),
             positions,
-            apply_temperature=False,
-            use_fp64=self.use_fp64_gumbel,
+            self.use_fp64_gumbel,
         )

@@ -8,8 +8,8 @@ One DDTree step, as it flows through the overridden runner methods:
 1. ``__init__``: the DFlash drafter is built as :class:`DDTreeProposer`, the
    chain rejection sampler replaced by :class:`TreeRejectionSampler`, and the
    last stage of vLLM's ``Sampler`` (steps without drafts) wrapped by
-   :class:`PositionSeededTopKTopP`, so that on a GPU every sample is keyed
-   by (seed, position) as vLLM's V2 runner keys it.
+   :class:`PositionSeededTopKTopP`, so that every sample is keyed by
+   (seed, position) as vLLM's V2 runner keys it.
 2. The scheduler schedules a request's tree nodes as its draft tokens (node
    order is best-first, so a cut-down prefix is still a tree).
 3. ``_prepare_inputs``: vLLM computes linear positions and slot mappings;
@@ -171,7 +171,7 @@ class DDTreeModelRunnerMixin:
             self._plan = self._plan_verify(
                 scheduler_output, num_scheduled_tokens, spec_metadata
             )
-        elif self.positions.is_cuda:
+        else:
             # No drafts this step: vLLM's Sampler draws (see
             # PositionSeededTopKTopP).
             self.seeded_sampling.positions = self.positions[logits_indices]
@@ -239,7 +239,7 @@ class DDTreeModelRunnerMixin:
             tree_nodes_t,
             tree_q_start_t,
         ) = uploaded[:9]
-        rows = VerifyRows.from_device(uploaded[9:], rows_host[-1])
+        rows = VerifyRows.from_device(uploaded[9:])
         parents_t, depths_t = gather_tree_layout(
             self._last_trees, tree_row_t, num_nodes_t, width
         )
@@ -320,6 +320,20 @@ class DDTreeModelRunnerMixin:
         tree = self._plan.tree if self._plan is not None else None
         with publish_tree(tree):
             return super()._build_attention_metadata(*args, **kwargs)
+
+    # -- step 5: sampling ---------------------------------------------------
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        """vLLM's bookkeeping, minus its generator rewind. vLLM moves the
+        generator of a request whose sample it discards (a partial prefill)
+        back by one draw; DDTree's samples are keyed by (seed, position) and
+        never advance a generator, so there is nothing to undo (and a CPU
+        generator, which has no offset, raises)."""
+        generators, self.input_batch.generators = self.input_batch.generators, {}
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            self.input_batch.generators = generators
 
     # -- step 6: commit the accepted path ---------------------------------
 
