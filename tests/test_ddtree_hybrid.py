@@ -24,6 +24,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from vllm import LLM, SamplingParams
 
+from tests.keyed_sampling import (
+    keyed_no_spec_sampling,
+    sampled_reference,
+    seeded_params,
+)
 from tests.oracle_drafter import Oracle, oracle_drafter
 from tests.utils import (
     cpu_async_scheduling,
@@ -38,30 +43,38 @@ pytestmark = pytest.mark.slow
 
 GDN_GAIN = 3.0
 NUM_PROMPTS = 12
+SAMPLED_PROMPTS = 36
 MAX_TOKENS = 40
 # The token budget left after the drafter's slots (256 - 8 x 14) chunks the
 # 150-token prompt and cuts large trees to a prefix of their nodes.
 ENGINE_ARGS = dict(max_num_batched_tokens=256, max_num_seqs=8)
 
 
-def _prompts() -> list[list[int]]:
+def _prompts(num: int = NUM_PROMPTS) -> list[list[int]]:
+    """``num`` prompts; DDTree engines chunk the last one (ENGINE_ARGS)."""
     prompts = [
         [(37 * i + 11 * j) % 300 + 5 for j in range(2 + (i * 7) % 13)]
-        for i in range(NUM_PROMPTS - 1)
+        for i in range(num - 1)
     ]
-    return prompts + [[(13 * j) % 290 + 7 for j in range(150)]]  # chunked
+    return prompts + [[(13 * j) % 290 + 7 for j in range(150)]]
 
 
 def _generate(
-    llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int = MAX_TOKENS
+    llm: LLM,
+    prompts: list[list[int]],
+    batch: int,
+    max_tokens: int = MAX_TOKENS,
+    temperature: float = 0.0,
 ) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    """Outputs in batches of ``batch`` prompts; prompt ``i`` is seeded by
+    ``i`` (see :func:`seeded_params`), whatever the batch."""
+    params = seeded_params(len(prompts), temperature, max_tokens)
     outputs = []
     for i in range(0, len(prompts), batch):
         chunk = [{"prompt_token_ids": p} for p in prompts[i : i + batch]]
         outputs += [
             list(o.outputs[0].token_ids)
-            for o in llm.generate(chunk, params, use_tqdm=False)
+            for o in llm.generate(chunk, params[i : i + batch], use_tqdm=False)
         ]
     return outputs
 
@@ -130,11 +143,12 @@ def oracle_tree_run(
     oracle: Oracle,
     prompts: list[list[int]],
     batches: tuple[tuple[int, int], ...],
+    temperature: float = 0.0,
     **engine_args,
 ) -> tuple[dict[int, list[list[int]]], float]:
-    """Greedy outputs of a DDTree engine led by ``oracle``, per batch size
-    (``batches``: (batch size, number of prompts)), and the engine's mean
-    acceptance length."""
+    """Outputs (greedy, or seeded samples at ``temperature``) of a DDTree
+    engine led by ``oracle``, per batch size (``batches``: (batch size,
+    number of prompts)), and the engine's mean acceptance length."""
     results = {}
     with oracle_drafter(oracle):
         llm = make_llm(target, speculative_config=speculative_config, **engine_args)
@@ -143,19 +157,31 @@ def oracle_tree_run(
             "async_scheduling", False
         )
         for batch, subset in batches:
-            results[batch] = _generate(llm, prompts[:subset], batch)
+            results[batch] = _generate(
+                llm, prompts[:subset], batch, temperature=temperature
+            )
         drafts = metric(llm, "vllm:spec_decode_num_drafts")
         accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
         shutdown_llm(llm)
     return results, 1 + accepted / drafts
 
 
-def _ddtree_run(fixtures, target, reference, budget, batches, **engine_args):
-    prompts = _prompts()
+def _ddtree_run(
+    fixtures, target, reference, budget, batches, temperature=0.0, **engine_args
+):
+    """``reference``: the outputs the oracle drafter follows."""
+    prompts = _prompts(len(reference))
     oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, reference, strict=True)})
     spec = ddtree_config(fixtures.hybrid_drafter, budget)
     return oracle_tree_run(
-        target, spec, oracle, prompts, batches, **ENGINE_ARGS, **engine_args
+        target,
+        spec,
+        oracle,
+        prompts,
+        batches,
+        temperature,
+        **ENGINE_ARGS,
+        **engine_args,
     )
 
 
@@ -185,16 +211,56 @@ def test_hybrid_greedy_equals_no_spec_with_async_scheduling(
     assert tau > 2.0, tau
 
 
-def test_control_without_commit_diverges(fixtures, target, reference, monkeypatch):
+@pytest.fixture(scope="module")
+def sampled(target) -> tuple[list[list[int]], list[list[int]]]:
+    """Seeded samples at T = 1 without speculation, keyed as DDTree keys
+    them (tests/keyed_sampling.py): whole, and cut before near-ties. At T = 1 on this
+    model a near-tie comes every 5-10 tokens, so there are more prompts
+    than for the greedy tests. (The DDTree engine chunks the long prompt:
+    vLLM would rewind its generator there, which a CPU generator refuses;
+    DDTree's runner skips that rewind.)"""
+    prompts = _prompts(SAMPLED_PROMPTS)
+    params = seeded_params(len(prompts), 1.0, MAX_TOKENS)
+    with keyed_no_spec_sampling():
+        llm = make_llm(target, max_logprobs=-1, **ENGINE_ARGS)
+        out = sampled_reference(llm, prompts, params, min_fraction=0.1)
+        shutdown_llm(llm)
+    return out
+
+
+def test_hybrid_seeded_sampling_equals_no_spec(fixtures, target, sampled):
+    """At T = 1 a seeded DDTree request draws, token for token, the keyed
+    no-spec samples: every tree node's state is exact, not only the greedy
+    path's. The oracle follows the sampled sequences, so trees accept deep
+    paths."""
+    whole, cut = sampled
+    results, tau = _ddtree_run(
+        fixtures, target, whole, 8, ((8, SAMPLED_PROMPTS), (1, 3)), temperature=1.0
+    )
+    for batch, got in results.items():
+        for i, (want, have) in enumerate(zip(cut, got, strict=False)):
+            assert have[: len(want)] == want, f"prompt {i} differs at batch {batch}"
+    print(f"\n[hybrid T=1 B=8] tau {tau:.2f}")
+    assert tau > 2.0, tau
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_control_without_commit_diverges(
+    fixtures, target, reference, sampled, monkeypatch, temperature
+):
     """Without the recurrent-state commit the outputs must change: the
-    equality above depends on the GDN states being right."""
+    equalities above depend on the GDN states being right."""
     from vllm_ddtree.v1.worker import ddtree_model_runner
 
     monkeypatch.setattr(
         ddtree_model_runner, "commit_gdn_layers", lambda layers: lambda *a: None
     )
-    results, _ = _ddtree_run(fixtures, target, reference, 8, ((8, NUM_PROMPTS),))
-    differ = sum(a != b[: len(a)] for a, b in zip(reference, results[8], strict=True))
+    oracle, want = (reference, reference) if temperature == 0 else sampled
+    results, _ = _ddtree_run(
+        fixtures, target, oracle, 8, ((8, len(want)),), temperature=temperature
+    )
+    differ = sum(a != b[: len(a)] for a, b in zip(want, results[8], strict=True))
+    print(f"\n[control T={temperature}] {differ} of {len(want)} differ")
     assert differ >= NUM_PROMPTS // 3, differ
 
 

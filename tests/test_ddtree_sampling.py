@@ -18,6 +18,11 @@ import pytest
 from scipy.stats import chi2_contingency
 from vllm import LLM, SamplingParams
 
+from tests.keyed_sampling import (
+    keyed_no_spec_sampling,
+    sampled_reference,
+    seeded_params,
+)
 from tests.oracle_drafter import Oracle, oracle_drafter
 from tests.utils import ddtree_config, make_llm, metric, shutdown_llm
 
@@ -97,26 +102,33 @@ def test_tree_walk_samples_the_target_distribution(fixtures):
         assert p > 1e-3, f"position {pos}: DDTree and no-spec differ (p={p:.2e})"
 
 
-def test_draftless_sampling_falls_back_off_gpu():
-    """Without published positions (and always on CPU) the wrapped top-k /
-    top-p stage is vLLM's own; positions published on CPU are dropped after
-    one step."""
-    import torch
-
-    from vllm_ddtree.v1.sample.tree_rejection_sampler import PositionSeededTopKTopP
-
-    calls = []
-
-    def inner(logits, generators, k, p):
-        calls.append((logits, generators, k, p))
-        return logits.argmax(-1), None
-
-    inner.logprobs_mode = "raw_logprobs"
-    wrapped = PositionSeededTopKTopP(inner, use_fp64_gumbel=False)
-    logits = torch.randn(3, 7)
-    wrapped.positions = torch.tensor([1, 2, 3])
-    got, _ = wrapped(logits, {}, None, None)
-    assert torch.equal(got, logits.argmax(-1)) and len(calls) == 1
-    assert wrapped.positions is None
-    wrapped(logits, {}, None, None)
-    assert len(calls) == 2
+def test_seeded_samples_equal_keyed_no_spec(fixtures):
+    """Every sample is keyed by (seed, position), so a seeded request's
+    tokens are the keyed no-spec ones, token for token up to near-ties,
+    whatever its trees accepted (tests/keyed_sampling.py). Requests are
+    seeded; the oracle follows the no-spec samples, so trees accept deep
+    paths and the accepted paths' KV is compacted at every step."""
+    prompts = [
+        [(29 * i + 7 * j) % 300 + 5 for j in range(3 + i % 9)] for i in range(24)
+    ]
+    params = seeded_params(len(prompts), 1.0, 32)
+    with keyed_no_spec_sampling():
+        llm = make_llm(fixtures.dense_target, max_logprobs=-1, max_num_seqs=8)
+        whole, cut = sampled_reference(llm, prompts, params, min_fraction=0.1)
+        shutdown_llm(llm)
+    oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, whole, strict=True)})
+    with oracle_drafter(oracle):
+        llm = make_llm(
+            fixtures.dense_target,
+            max_num_seqs=8,
+            speculative_config=ddtree_config(fixtures.dense_drafter, 64),
+        )
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
+        drafts = metric(llm, "vllm:spec_decode_num_drafts")
+        accepted = metric(llm, "vllm:spec_decode_num_accepted_tokens")
+        shutdown_llm(llm)
+    for i, (want, out) in enumerate(zip(cut, outputs, strict=True)):
+        assert list(out.outputs[0].token_ids)[: len(want)] == want, f"prompt {i}"
+    assert accepted / drafts > 1.0, "trees must accept deep paths"
