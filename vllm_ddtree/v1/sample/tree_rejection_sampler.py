@@ -88,13 +88,13 @@ class TreeVerifyInput:
 
     ``parents`` is ``[num_reqs, N]`` on the device (root column and padding
     ``-1``), ``max_depth`` bounds every node's depth. ``positions`` holds the
-    (depth-based) position of every logit row, when known; ``rows`` the
-    batch layout, uploaded with the runner's other step inputs.
+    (depth-based) position of every logit row, which keys its sample;
+    ``rows`` the batch layout, uploaded with the runner's other step inputs.
     """
 
     parents: torch.Tensor
     max_depth: int
-    positions: torch.Tensor | None = None
+    positions: torch.Tensor
     rows: VerifyRows | None = None
 
 
@@ -224,7 +224,8 @@ class TreeRejectionSampler(RejectionSampler):
         device = logits.device
         num_draft = np.asarray(metadata.num_draft_tokens, dtype=np.int64)
         if step is None:
-            # No tree published (vLLM's dummy sampler run): verify chains.
+            # No tree published (vLLM's dummy sampler run): verify chains,
+            # all rows keyed at position 0.
             width = int(num_draft.max()) + 1
             chain = torch.arange(-1, width - 1, device=device)
             step = TreeVerifyInput(
