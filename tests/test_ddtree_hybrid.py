@@ -214,11 +214,11 @@ def test_hybrid_greedy_equals_no_spec_with_async_scheduling(
 @pytest.fixture(scope="module")
 def sampled(target) -> tuple[list[list[int]], list[list[int]]]:
     """Seeded samples at T = 1 without speculation, keyed as DDTree keys
-    them (tests/keyed_sampling.py): whole, and cut before near-ties. At T = 1 on this
-    model a near-tie comes every 5-10 tokens, so there are more prompts
-    than for the greedy tests. (The DDTree engine chunks the long prompt:
-    vLLM would rewind its generator there, which a CPU generator refuses;
-    DDTree's runner skips that rewind.)"""
+    them (tests/keyed_sampling.py): whole, and cut before near-ties. At
+    T = 1 on this model a near-tie comes every 5-10 tokens, so there are
+    more prompts than for the greedy tests. (The DDTree engine chunks the
+    long prompt: vLLM would rewind its generator there, which a CPU
+    generator refuses; DDTree's runner skips that rewind.)"""
     prompts = _prompts(SAMPLED_PROMPTS)
     params = seeded_params(len(prompts), 1.0, MAX_TOKENS)
     with keyed_no_spec_sampling():
