@@ -43,6 +43,11 @@ def _spec(**overrides):
         ({"ddtree": {"adaptive_budget": 1}}, "'ddtree.adaptive_budget'"),
         ({"ddtree": {"flash_context": "on"}}, "'ddtree.flash_context'"),
         ({"ddtree": {"max_depth": 0}}, "'ddtree.max_depth'"),
+        ({"ddtree": {"model_runner": "v3"}}, "'ddtree.model_runner'"),
+        (
+            {"ddtree": {"model_runner": "v2"}},
+            "'ddtree.model_runner'.*adaptive_budget",
+        ),
         ({"disable_padded_drafter_batch": True}, "'disable_padded_drafter_batch'"),
         ({"rejection_sample_method": "synthetic"}, "'rejection_sample_method'"),
         ({"draft_sample_method": "probabilistic"}, "'draft_sample_method'"),

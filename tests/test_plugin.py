@@ -125,14 +125,39 @@ def test_gpu_worker_does_not_import_vllm_cpu_worker():
             NotImplementedError,
             "Qwen Gated DeltaNet",
         ),
+        # The V2 runner port covers dense 1-D RoPE targets only.
+        (
+            dict(uses_xdrope_dim=0, is_hybrid=True, uses_mrope=False, v2=True),
+            NotImplementedError,
+            "model_runner 'v2'",
+        ),
+        (
+            dict(uses_xdrope_dim=0, is_hybrid=False, uses_mrope=True, v2=True),
+            NotImplementedError,
+            "model_runner 'v2'",
+        ),
     ],
 )
 def test_unsupported_targets_are_refused_by_name(target, error, match):
     from types import SimpleNamespace
 
+    options = {"model_runner": "v2"} if target.pop("v2", False) else {}
     config = SimpleNamespace(model="some/model", **target)
     with pytest.raises(error, match=match):
-        plugin._check_target(SimpleNamespace(mamba_cache_mode=None), config)
+        plugin._check_target(SimpleNamespace(mamba_cache_mode=None), config, options)
+
+
+def test_v2_runner_needs_a_gpu(monkeypatch):
+    """On a platform without CUDA (this CPU CI) ``model_runner: "v2"`` is
+    refused by name, and the V2 runner is never switched on."""
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    with pytest.raises(ValueError, match="model_runner 'v2' needs a CUDA GPU"):
+        plugin._configure_engine(
+            SimpleNamespace(), SimpleNamespace(), {"model_runner": "v2"}
+        )
+    assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") is None
 
 
 @pytest.mark.parametrize(
@@ -150,5 +175,7 @@ def test_qwen_gdn_targets_are_accepted(arch):
         model="some/model", uses_xdrope_dim=0, is_hybrid=True, architectures=[arch]
     )
     plugin._check_target(
-        SimpleNamespace(mamba_cache_mode=None, enable_prefix_caching=False), config
+        SimpleNamespace(mamba_cache_mode=None, enable_prefix_caching=False),
+        config,
+        {},
     )

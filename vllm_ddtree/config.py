@@ -50,6 +50,10 @@ class DDTreeConfig:
             (faster in 10 of 12 kernel-level shapes on an H200; see
             ``flash_context_tree_attention.py``). Off by default: in the
             engine it has not been faster yet (docs/usage.md).
+        model_runner: ``"v1"`` (default) runs DDTree on vLLM's V1 model
+            runner; ``"v2"`` on the V2 runner (vLLM's default for dense
+            models on GPUs), experimental: CUDA, dense 1-D RoPE targets and
+            fixed budgets only (``docs/v2_port.md``).
     """
 
     budget: int
@@ -57,13 +61,15 @@ class DDTreeConfig:
     force_spine: bool = False
     adaptive_budget: bool = True
     flash_context: bool = False
+    model_runner: str = "v1"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 _BOOL_KEYS = ("force_spine", "adaptive_budget", "flash_context")
-_USER_KEYS = {*_BOOL_KEYS, "max_depth"}
+_USER_KEYS = {*_BOOL_KEYS, "max_depth", "model_runner"}
+MODEL_RUNNERS = ("v1", "v2")
 # Chain-speculation options that DDTree replaces: the value a user may leave
 # (vLLM's default) and why any other value cannot be honoured.
 _CHAIN_ONLY_OPTIONS = {
@@ -141,6 +147,20 @@ def parse_user_options(spec: dict[str, Any]) -> dict[str, Any]:
             'Set "ddtree": {"adaptive_budget": false} to use the schedule, or '
             "leave the schedule out",
         )
+    runner = options.get("model_runner", "v1")
+    if runner not in MODEL_RUNNERS:
+        raise _fail(
+            "ddtree.model_runner",
+            f"must be one of {list(MODEL_RUNNERS)}, got {runner!r}",
+            'Leave it out for vLLM\'s V1 runner, or use "v2"',
+        )
+    if runner == "v2" and options.get("adaptive_budget", True):
+        raise _fail(
+            "ddtree.model_runner",
+            '= "v2" needs fixed budgets (the V2 runner never waits for the '
+            "host, which chooses adaptive budgets each step)",
+            'Add "adaptive_budget": false',
+        )
     if "max_depth" in options:
         depth = options["max_depth"]
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
@@ -199,6 +219,7 @@ def finalize(speculative_config: Any, options: dict[str, Any]) -> DDTreeConfig:
         force_spine=options.get("force_spine", False),
         adaptive_budget=options.get("adaptive_budget", True),
         flash_context=options.get("flash_context", False),
+        model_runner=options.get("model_runner", "v1"),
     )
     dflash_config[CONFIG_KEY] = cfg.to_dict()
     return cfg

@@ -12,8 +12,9 @@ hooks, and why each is needed:
    fields, hands vLLM an ordinary ``dflash`` config, and stores the DDTree
    settings inside the drafter's ``dflash_config`` (see ``config.py``). The
    same wrapper selects the DDTree worker class, turns async scheduling off
-   for adaptive budgets (chosen on the host each step) and pins the V1
-   model runner, the parts of the engine DDTree replaces, and for hybrid
+   for adaptive budgets (chosen on the host each step) and pins the model
+   runner (V1, or V2 with ``ddtree.model_runner: "v2"``), the parts of the
+   engine DDTree replaces, and for hybrid
    targets with prefix caching picks Mamba cache mode ``align`` (vLLM
    would pick ``all``, which stores states by position).
    Upstream this would be a new method value.
@@ -163,9 +164,9 @@ def _wrap_create_speculative_config(original):
         spec = parse_user_options(spec)
         options = spec.pop(CONFIG_KEY)
         check_drafter(spec["model"], spec.get("revision"))
-        _check_target(self, target_model_config)
+        _check_target(self, target_model_config, options)
         _configure_scheduling(self, options)
-        _configure_engine(self, target_parallel_config)
+        _configure_engine(self, target_parallel_config, options)
         self.speculative_config = spec
         speculative_config = original(self, target_model_config, target_parallel_config)
         cfg = finalize(speculative_config, options)
@@ -214,7 +215,15 @@ _TREE_GDN_ARCHS = (
 )
 
 
-def _check_target(engine_args, target_model_config) -> None:
+def _check_target(engine_args, target_model_config, options: dict[str, Any]) -> None:
+    if options.get("model_runner") == "v2" and (
+        target_model_config.is_hybrid or target_model_config.uses_mrope
+    ):
+        raise NotImplementedError(
+            f"ddtree.model_runner 'v2' supports dense targets with 1-D RoPE, "
+            f"not {target_model_config.model} (hybrid or M-RoPE). Leave "
+            "ddtree.model_runner out to run it on the V1 runner."
+        )
     if target_model_config.uses_xdrope_dim > 0:
         raise NotImplementedError(
             f"method 'ddtree' does not support XD-RoPE targets yet "
@@ -269,18 +278,28 @@ def _configure_scheduling(engine_args, options: dict[str, Any]) -> None:
     engine_args.async_scheduling = False
 
 
-def _configure_engine(engine_args, parallel_config) -> None:
-    """Engine settings the DDTree V1 integration relies on."""
+def _configure_engine(engine_args, parallel_config, options: dict[str, Any]) -> None:
+    """Engine settings the DDTree integration relies on: the model runner
+    (``ddtree.model_runner``, V1 unless asked), its attention backend and
+    worker."""
     from vllm.platforms import current_platform
 
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", ""):
+    runner = options.get("model_runner", "v1")
+    wanted = "1" if runner == "v2" else "0"
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", wanted) not in (wanted, ""):
         raise ValueError(
-            "method 'ddtree' runs on the V1 model runner; unset "
-            "VLLM_USE_V2_MODEL_RUNNER or set it to 0."
+            f"method 'ddtree' runs on the {runner.upper()} model runner "
+            f"(ddtree.model_runner = {runner!r}); unset VLLM_USE_V2_MODEL_RUNNER "
+            f"or set it to {wanted}."
+        )
+    if runner == "v2" and not current_platform.is_cuda():
+        raise ValueError(
+            "ddtree.model_runner 'v2' needs a CUDA GPU (vLLM's V2 runner); "
+            "leave it out on this platform."
         )
     # Read lazily by vLLM in this process and inherited by the engine-core
     # and worker processes it starts afterwards.
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = wanted
 
     platform = "cpu" if current_platform.is_cpu() else "cuda"
     if not (current_platform.is_cpu() or current_platform.is_cuda()):

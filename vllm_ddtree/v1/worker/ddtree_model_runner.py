@@ -39,7 +39,6 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,7 +49,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_ddtree.config import BUDGET_ARG, get_ddtree_config
+from vllm_ddtree.config import BUDGET_ARG, DDTreeConfig, get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import (
     TreeAttentionInfo,
     publish_tree,
@@ -60,20 +59,29 @@ from vllm_ddtree.v1.sample.tree_rejection_sampler import (
     PositionSeededTopKTopP,
     TreeRejectionSampler,
     TreeVerifyInput,
-    VerifyRows,
 )
 from vllm_ddtree.v1.spec_decode.adaptive_budget import LatencyModel, choose_budgets
 from vllm_ddtree.v1.spec_decode.ddtree_proposer import DDTreeProposer
 from vllm_ddtree.v1.spec_decode.tree import (
     DraftTrees,
     gather_tree_layout,
-    path_first_permutation,
 )
 from vllm_ddtree.v1.worker.host_staging import HostStaging
 from vllm_ddtree.v1.worker.tree_mamba_utils import (
     aligned_state_targets,
     keep_accepted_counts,
     state_window,
+)
+from vllm_ddtree.v1.worker.verify_plan import (
+    KVCommitPlan,
+    VerifyPlan,
+    compact_kv,
+    depth_shift,
+    kv_commit_plan,
+    path_first_order,
+    path_moves,
+    stage_layout,
+    tree_attention_info,
 )
 
 logger = init_logger(f"vllm.{__name__}")
@@ -102,26 +110,6 @@ def patched_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(owner, name, original)
-
-
-@dataclass
-class VerifyPlan:
-    """Per-step tree layout of a verify batch (all rows, root included).
-
-    Device tensors: ``root_index[r]`` is the batch token index of row ``r``'s
-    root; ``node_tokens`` / ``node_rows`` / ``node_ids`` list every non-root
-    node of every row, flattened, as batch token index, row and node index.
-    ``linear_positions`` are the batch's positions before the depth rewrite
-    (``[3, tokens]`` for M-RoPE targets, else ``[tokens]``).
-    """
-
-    root_index: torch.Tensor
-    node_tokens: torch.Tensor
-    node_rows: torch.Tensor
-    node_ids: torch.Tensor
-    width: int
-    linear_positions: torch.Tensor
-    tree: TreeAttentionInfo | None
 
 
 class DDTreeModelRunnerMixin:
@@ -154,7 +142,7 @@ class DDTreeModelRunnerMixin:
         # Set by measure_verify_latency() once the engine is warmed up.
         self.verify_latency: LatencyModel | None = None
         self.full_graph_latency: LatencyModel | None = None
-        self._kv_commits: dict[int, tuple[list, Callable | None]] | None = None
+        self._kv_commits: KVCommitPlan | None = None
         # Per Mamba KV-cache group, the commit of its GDN layers (built on
         # first use; the caches do not move).
         self._gdn_commits: dict[int, Callable[..., None]] = {}
@@ -188,7 +176,6 @@ class DDTreeModelRunnerMixin:
         Publishes the sampler's input; returns the commit's plan."""
         num_reqs = self.input_batch.num_reqs
         num_nodes = np.asarray(spec_metadata.num_draft_tokens, dtype=np.int64) + 1
-        width = int(num_nodes.max())
         # Row of each request in the last proposal's trees, -1 for drafts we
         # did not build (e.g. zero-filled when the drafter was skipped),
         # which are verified as the chain they are.
@@ -198,85 +185,33 @@ class DDTreeModelRunnerMixin:
             if row is not None:
                 tree_row[self.input_batch.req_id_to_index[req_id]] = row
         has_chain = bool(np.any((tree_row < 0) & (num_nodes > 1)))
+        width = int(num_nodes.max())
         max_depth = width - 1 if has_chain else min(self.ddtree.max_depth, width - 1)
-
-        query_end = self.query_start_loc.np[1 : num_reqs + 1].astype(np.int64)
-        root_index = query_end - num_nodes
-        # The sampler's row maps; their ``is_draft`` marks every non-root node.
-        rows_host = VerifyRows.host_arrays(num_nodes - 1)
-        _, _, _, is_draft, _ = rows_host
-        node_rows, node_ids = np.nonzero(is_draft)
-        node_tokens = root_index[node_rows] + node_ids
+        layout = stage_layout(
+            self.host_staging,
+            num_nodes,
+            self.query_start_loc.np[1 : num_reqs + 1],
+            extra=(tree_row,),
+        )
+        parents, depths = gather_tree_layout(
+            self._last_trees, layout.extra[0], layout.num_nodes, width
+        )
+        linear_positions = self._shift_to_depth_positions(
+            layout.total, layout.node_tokens, depth_shift(layout, depths)
+        )
+        self.rejection_sampler.step = TreeVerifyInput(
+            parents,
+            max_depth,
+            self.positions[spec_metadata.logits_indices],
+            layout.rows,
+        )
         ctx_len = (
             self.input_batch.num_computed_tokens_cpu[:num_reqs]
             + num_scheduled_tokens[:num_reqs]
             - num_nodes
         )
-        tree_rows = np.nonzero(num_nodes > 1)[0]
-
-        # Every index array of the step in one non-blocking transfer, made
-        # while the GPU is idle: none is copied once the forward is queued.
-        uploaded = self.host_staging.upload(
-            tree_row,
-            num_nodes,
-            root_index,
-            node_tokens,
-            node_rows,
-            node_ids,
-            tree_rows,
-            num_nodes[tree_rows],
-            root_index[tree_rows],
-            *rows_host,
-        )
-        (
-            tree_row_t,
-            num_nodes_t,
-            root_index_t,
-            node_tokens_t,
-            node_rows_t,
-            node_ids_t,
-            tree_rows_t,
-            tree_nodes_t,
-            tree_q_start_t,
-        ) = uploaded[:9]
-        rows = VerifyRows.from_device(uploaded[9:])
-        parents_t, depths_t = gather_tree_layout(
-            self._last_trees, tree_row_t, num_nodes_t, width
-        )
-
-        total = int(query_end[-1])
-        linear_positions = self._shift_to_depth_positions(
-            total, node_tokens_t, depths_t[node_rows_t, node_ids_t] - node_ids_t
-        )
-
-        self.rejection_sampler.step = TreeVerifyInput(
-            parents_t, max_depth, self.positions[spec_metadata.logits_indices], rows
-        )
-        tree = None
-        if len(tree_rows):
-            i32 = torch.int32
-            tree = TreeAttentionInfo(
-                req_rows=tree_rows_t.to(i32),
-                q_start=tree_q_start_t.to(i32),
-                num_nodes=tree_nodes_t.to(i32),
-                ctx_len=self.seq_lens[tree_rows_t] - tree_nodes_t.to(i32),
-                parents=parents_t[tree_rows_t],
-                max_depth=max_depth,
-                req_rows_cpu=tree_rows.tolist(),
-                q_start_cpu=root_index[tree_rows].tolist(),
-                num_nodes_cpu=num_nodes[tree_rows].tolist(),
-                ctx_len_cpu=ctx_len[tree_rows].tolist(),
-                covers_batch=int(num_nodes[tree_rows].sum()) == total,
-            )
-        return VerifyPlan(
-            root_index=root_index_t,
-            node_tokens=node_tokens_t,
-            node_rows=node_rows_t,
-            node_ids=node_ids_t,
-            width=width,
-            linear_positions=linear_positions,
-            tree=tree,
-        )
+        tree = tree_attention_info(layout, parents, self.seq_lens, ctx_len, max_depth)
+        return VerifyPlan(layout, linear_positions, tree)
 
     def _shift_to_depth_positions(
         self, total: int, node_tokens: torch.Tensor, shift: torch.Tensor
@@ -363,50 +298,34 @@ class DDTreeModelRunnerMixin:
         if plan is None or walk is None:
             self.drafter.set_accepted_order(None)
             return
-        device = plan.linear_positions.device
-        perm = path_first_permutation(walk.path, plan.width)
-        rows, dst_tokens = plan.node_rows, plan.node_tokens
-        src_tokens = plan.root_index[rows] + perm[rows, plan.node_ids]
+        src_tokens, dst_tokens = path_moves(plan.layout, walk.path)
         self._compact_kv(src_tokens, dst_tokens)
         if plan.tree is not None and self.model_config.is_hybrid:
             self._commit_recurrent_state(plan.tree, walk)
-        order = torch.arange(plan.linear_positions.shape[-1], device=device)
-        order[dst_tokens] = src_tokens
+        order = path_first_order(
+            src_tokens, dst_tokens, plan.linear_positions.shape[-1]
+        )
         self.drafter.set_accepted_order(order, plan.linear_positions)
 
     def _compact_kv(self, src_tokens: torch.Tensor, dst_tokens: torch.Tensor) -> None:
         """Move the KV of node ``src_tokens[i]`` to the slot of token
         ``dst_tokens[i]`` in every target attention layer."""
-        for gid, (layers, commit) in self._kv_commit_plan().items():
-            slot_mapping = self.input_batch.block_table[gid].slot_mapping.gpu
-            src, dst = slot_mapping[src_tokens], slot_mapping[dst_tokens]
-            if commit is not None:
-                commit(src, dst)
-                continue
-            for impl, kv_cache in layers:
-                impl.copy_kv_slots(kv_cache, src, dst)
+        compact_kv(
+            self._kv_commit_plan(),
+            lambda gid: self.input_batch.block_table[gid].slot_mapping.gpu,
+            src_tokens,
+            dst_tokens,
+        )
 
-    def _kv_commit_plan(self) -> dict[int, tuple[list, Callable | None]]:
-        """Per attention KV-cache group: its target layers' ``(impl, cache)``
-        and, where the backend offers one, a commit of all of them at once.
-        Built on first use (the caches exist by then) and kept: the caches
+    def _kv_commit_plan(self) -> KVCommitPlan:
+        """Built on first use (the caches exist by then) and kept: the caches
         do not move."""
         if self._kv_commits is None:
-            drafter_layers = getattr(self.drafter, "_draft_attn_layer_names", set())
-            context = self.compilation_config.static_forward_context
-            self._kv_commits = {}
-            for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
-                if not isinstance(group.kv_cache_spec, AttentionSpec):
-                    continue
-                layers = [
-                    (context[name].impl, context[name].kv_cache)
-                    for name in group.layer_names
-                    if name not in drafter_layers
-                ]
-                if layers:
-                    caches = [kv_cache for _, kv_cache in layers]
-                    commit = layers[0][0].kv_commit_for_layers(caches)
-                    self._kv_commits[gid] = (layers, commit)
+            self._kv_commits = kv_commit_plan(
+                self.kv_cache_config,
+                self.compilation_config.static_forward_context,
+                getattr(self.drafter, "_draft_attn_layer_names", set()),
+            )
         return self._kv_commits
 
     def _commit_recurrent_state(self, tree: TreeAttentionInfo, walk) -> None:
@@ -590,51 +509,68 @@ class DDTreeModelRunnerMixin:
 
 
 class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
-    @torch.inference_mode()
     def warm_up_tree_kernels(self) -> None:
-        """Compile the Triton kernels of a DDTree step at start-up: the tree
-        cores, the tree attention once per distinct layer geometry, and the
-        KV commit. Otherwise each variant compiles (about a second) the first
-        time a tree size needs it, in the middle of serving."""
-        # Imported here: the CPU runner shares this module and needs neither.
-        from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
-            FlashTreeAttentionImpl,
-        )
-        from vllm_ddtree.v1.ops.triton_tree_cores import (
-            compile_variants as compile_core_variants,
+        warm_up_tree_kernels(
+            self.device,
+            self.ddtree,
+            self.model_config.get_vocab_size(),
+            self.kv_cache_config,
+            self.compilation_config.static_forward_context,
+            lambda gid: self.input_batch.block_table[gid].get_device_tensor(1),
+            self._kv_commit_plan(),
         )
 
-        cfg = self.ddtree
-        compile_core_variants(
-            self.device,
-            cfg.budget,
-            cfg.max_depth,
-            min(cfg.budget, self.model_config.get_vocab_size()),
-            cfg.force_spine,
-        )
-        layers = self.compilation_config.static_forward_context
-        done = set()
-        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
-            if not isinstance(group.kv_cache_spec, AttentionSpec):
-                continue
-            block_table = self.input_batch.block_table[gid].get_device_tensor(1)
-            for name in group.layer_names:
-                layer = layers[name]
-                impl = getattr(layer, "impl", None)
-                if not isinstance(impl, FlashTreeAttentionImpl):
-                    continue  # the drafter's layers keep vLLM's backend
-                geometry = (
-                    impl.num_heads,
-                    tuple(layer.kv_cache.shape),
-                    layer.kv_cache.stride(),
-                    layer.kv_cache.dtype,
-                )
-                if geometry not in done:
-                    done.add(geometry)
-                    impl.warm_up_tree_kernels(
-                        layer.kv_cache, block_table, 1 + cfg.budget
-                    )
-        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-        for _, commit in self._kv_commit_plan().values():
-            if commit is not None:
-                commit(zero, zero)  # slot 0 (vLLM's null block) onto itself
+
+@torch.inference_mode()
+def warm_up_tree_kernels(
+    device: torch.device,
+    cfg: DDTreeConfig,
+    vocab_size: int,
+    kv_cache_config: Any,
+    forward_context: dict[str, Any],
+    block_table_for: Callable[[int], torch.Tensor],
+    kv_commits: KVCommitPlan,
+) -> None:
+    """Compile the Triton kernels of a DDTree step at start-up (GPU runners):
+    the tree cores, the tree attention once per distinct layer geometry
+    (``block_table_for(gid)``: a one-request block table of KV-cache group
+    ``gid``), and the KV commit. Otherwise each variant compiles (about a
+    second) the first time a tree size needs it, in the middle of serving."""
+    # Imported here: the CPU runner shares this module and needs neither.
+    from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
+        FlashTreeAttentionImpl,
+    )
+    from vllm_ddtree.v1.ops.triton_tree_cores import (
+        compile_variants as compile_core_variants,
+    )
+
+    compile_core_variants(
+        device,
+        cfg.budget,
+        cfg.max_depth,
+        min(cfg.budget, vocab_size),
+        cfg.force_spine,
+    )
+    done = set()
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        if not isinstance(group.kv_cache_spec, AttentionSpec):
+            continue
+        block_table = block_table_for(gid)
+        for name in group.layer_names:
+            layer = forward_context[name]
+            impl = getattr(layer, "impl", None)
+            if not isinstance(impl, FlashTreeAttentionImpl):
+                continue  # the drafter's layers keep vLLM's backend
+            geometry = (
+                impl.num_heads,
+                tuple(layer.kv_cache.shape),
+                layer.kv_cache.stride(),
+                layer.kv_cache.dtype,
+            )
+            if geometry not in done:
+                done.add(geometry)
+                impl.warm_up_tree_kernels(layer.kv_cache, block_table, 1 + cfg.budget)
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    for _, commit in kv_commits.values():
+        if commit is not None:
+            commit(zero, zero)  # slot 0 (vLLM's null block) onto itself

@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree on vLLM's V2 model runner (``ddtree.model_runner: "v2"``; dense
+targets, fixed budgets).
+
+V2 prepares a step's inputs on the device and never learns accepted counts
+on the host: async scheduling is its design. DDTree fits in as follows (V1's
+runner, ``v1/worker/ddtree_model_runner.py``, has the same step; the shared
+parts are in ``v1/worker/verify_plan.py``):
+
+1. ``__init__``: the DFlash speculator is built as :class:`DDTreeSpeculator`
+   (V2 builds it by name); after the model loads, the chain rejection
+   sampler is replaced by :class:`TreeWalkSampler`, and the model state's
+   attention-metadata build publishes the step's trees to the tree backend.
+2. The scheduler schedules each tree's ``B`` best-first nodes as the
+   request's draft tokens; V2 writes them into the batch after the root.
+3. ``prepare_attn``: V2 computes slot mappings from the linear positions;
+   then every node's position becomes its root's position plus its depth,
+   in V2's persistent position buffer (which full CUDA graphs read), and the
+   trees' parents are gathered on the device by request-state slot.
+4. Forward; :class:`TreeWalkSampler` draws the target's token at every node
+   with V2's sampler and walks the trees.
+5. ``sample``: the accepted path's KV is copied into consecutive slots of
+   every target attention layer, the linear positions are put back, and the
+   speculator is told to read the accepted path's hidden states first.
+6. V2 advances each request by its path and runs the speculator, which
+   drafts ``max_depth`` positions and builds the next trees.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.v1.worker.gpu import model_runner as v2_model_runner
+from vllm.v1.worker.gpu.input_batch import InputBatch
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.v1.attention.backends.tree_attn import publish_tree
+from vllm_ddtree.v1.spec_decode.tree import gather_tree_layout
+from vllm_ddtree.v1.worker.ddtree_model_runner import (
+    patched_attribute,
+    warm_up_tree_kernels,
+)
+from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler import (
+    TreeWalkInput,
+    TreeWalkSampler,
+)
+from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator import (
+    DDTreeSpeculator,
+)
+from vllm_ddtree.v1.worker.host_staging import HostStaging
+from vllm_ddtree.v1.worker.verify_plan import (
+    KVCommitPlan,
+    VerifyPlan,
+    compact_kv,
+    depth_shift,
+    kv_commit_plan,
+    path_first_order,
+    path_moves,
+    stage_layout,
+    tree_attention_info,
+)
+
+
+class DDTreeV2ModelRunner(GPUModelRunner):
+    def __init__(self, vllm_config, device: torch.device) -> None:
+        with patched_attribute(v2_model_runner, "init_speculator", DDTreeSpeculator):
+            super().__init__(vllm_config, device)
+        cfg = get_ddtree_config(vllm_config)
+        assert cfg is not None, "the DDTree runner needs method 'ddtree'"
+        self.ddtree = cfg
+        self.host_staging = HostStaging(device)
+        self._plan: VerifyPlan | None = None
+        self._kv_commits: KVCommitPlan | None = None
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        if self.rejection_sampler is not None:
+            self.rejection_sampler = TreeWalkSampler(
+                self.sampler, self.speculative_config, self.device
+            )
+        build = self.model_state.prepare_attn
+
+        def prepare_attn(*build_args, **build_kwargs):
+            # V2's builders only receive CommonAttentionMetadata; the tree
+            # backends read the step's trees from this side channel.
+            tree = self._plan.tree if self._plan is not None else None
+            with publish_tree(tree):
+                return build(*build_args, **build_kwargs)
+
+        self.model_state.prepare_attn = prepare_attn
+
+    # -- step 3: depth positions and tree layout ----------------------------
+
+    def prepare_attn(self, input_batch: InputBatch):
+        block_tables, slot_mappings = super().prepare_attn(input_batch)
+        self._plan = None
+        if input_batch.num_draft_tokens > 0:
+            self._plan = self._plan_verify(input_batch)
+        return block_tables, slot_mappings
+
+    def _plan_verify(self, input_batch: InputBatch) -> VerifyPlan:
+        """Lay out this step's trees (each request's from its last proposal,
+        gathered on the device by request-state slot), move the nodes to
+        their depth positions and publish the walk's input."""
+        num_reqs = input_batch.num_reqs
+        num_nodes = input_batch.num_draft_tokens_per_req.astype(np.int64) + 1
+        layout = stage_layout(
+            self.host_staging,
+            num_nodes,
+            input_batch.query_start_loc_np[1 : num_reqs + 1],
+        )
+        max_depth = min(self.ddtree.max_depth, layout.width - 1)
+        parents, depths = gather_tree_layout(
+            self.speculator.req_trees,
+            input_batch.idx_mapping.long(),
+            layout.num_nodes,
+            layout.width,
+        )
+        positions = self.input_buffers.positions
+        linear_positions = positions[: layout.total].clone()
+        positions[layout.node_tokens] += depth_shift(layout, depths)
+        self.rejection_sampler.step = TreeWalkInput(parents, layout.rows, max_depth)
+        ctx_len = (
+            input_batch.seq_lens_cpu_upper_bound[:num_reqs].numpy().astype(np.int64)
+            - num_nodes
+        )
+        tree = tree_attention_info(
+            layout, parents, input_batch.seq_lens, ctx_len, max_depth
+        )
+        return VerifyPlan(layout, linear_positions, tree)
+
+    # -- step 5: commit the accepted path -----------------------------------
+
+    def sample(self, hidden_states, input_batch, grammar_output):
+        result = super().sample(hidden_states, input_batch, grammar_output)
+        plan, self._plan = self._plan, None
+        walk, self.rejection_sampler.last_walk = self.rejection_sampler.last_walk, None
+        if plan is None or walk is None:
+            return result
+        src_tokens, dst_tokens = path_moves(plan.layout, walk.path)
+        # Before the speculator runs: it writes its own query slots into the
+        # same slot-mapping buffer.
+        compact_kv(
+            self._kv_commit_plan(),
+            lambda gid: self.block_tables.slot_mappings[gid],
+            src_tokens,
+            dst_tokens,
+        )
+        self.input_buffers.positions[: plan.layout.total] = plan.linear_positions
+        self.speculator.set_accepted_order(
+            path_first_order(src_tokens, dst_tokens, plan.layout.total)
+        )
+        return result
+
+    def _kv_commit_plan(self) -> KVCommitPlan:
+        if self._kv_commits is None:
+            self._kv_commits = kv_commit_plan(
+                self.kv_cache_config,
+                self.compilation_config.static_forward_context,
+                self.speculator.draft_attn_layer_names,
+            )
+        return self._kv_commits
+
+    # -- start-up (called by the DDTree worker) ------------------------------
+
+    def warm_up_tree_kernels(self) -> None:
+        warm_up_tree_kernels(
+            self.device,
+            self.ddtree,
+            self.model_config.get_vocab_size(),
+            self.kv_cache_config,
+            self.compilation_config.static_forward_context,
+            lambda gid: self.block_tables.input_block_tables[gid][:1],
+            self._kv_commit_plan(),
+        )
+
+    def uncaptured_full_batch_hint(self) -> str | None:
+        return None

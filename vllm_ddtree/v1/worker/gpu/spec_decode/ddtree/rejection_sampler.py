@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tree verification on vLLM's V2 model runner.
+
+V2's :class:`RejectionSampler` checks a chain. Here the target's token at
+every node is drawn by V2's own :class:`Sampler` (temperature, min-p, top-k /
+top-p, then a Gumbel-max draw keyed by the request's seed and the node's
+position, which the runner has made the node's depth position), so a node's
+choice is exactly the token V2 would sample without speculation after the
+node's prefix; :func:`walk_trees_triton` then follows those choices down
+each tree. No draft probabilities are involved (lossless at any
+temperature, see ``v1/sample/tree_rejection_sampler.py``).
+
+The output keeps V2's format: ``sampled [num_reqs, 1 + B]`` (the accepted
+path's tokens, then the bonus token) and ``num_sampled`` (path length + 1),
+from which V2 derives ``num_rejected``, advances each request's computed
+tokens and feeds the drafter. Logprobs are computed on the logit rows put in
+path order (each request's accepted nodes first), which is the layout V2's
+chain logprobs have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.worker.gpu.input_batch import InputBatch, get_num_sampled_and_rejected
+from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
+from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+
+from vllm_ddtree.v1.ops.triton_tree_cores import walk_trees_triton
+from vllm_ddtree.v1.sample.tree_rejection_sampler import VerifyRows
+from vllm_ddtree.v1.spec_decode.tree import WalkResult, path_first_permutation
+
+
+@dataclass
+class TreeWalkInput:
+    """The trees of the current verify batch, published by the runner:
+    ``parents [num_reqs, W]`` (root column and padding ``-1``), the batch
+    layout and the bound on every node's depth."""
+
+    parents: torch.Tensor
+    rows: VerifyRows
+    max_depth: int
+
+
+class TreeWalkSampler(RejectionSampler):
+    def __init__(self, sampler, spec_config, device: torch.device) -> None:
+        super().__init__(sampler, spec_config, device)
+        self.step: TreeWalkInput | None = None
+        self.last_walk: WalkResult | None = None
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        input_batch: InputBatch,
+        draft_logits: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        step, self.step = self.step, None
+        assert step is not None, "a verify batch without published trees"
+        num_nans = get_num_nans(logits) if self.sampler.compute_nans else None
+        rows = input_batch.logits_indices
+        return_logprobs = self.sampler.returns_logprobs(input_batch.idx_mapping_np)
+        choices, processed = self.sampler.sample(
+            logits,
+            input_batch.expanded_idx_mapping,
+            input_batch.idx_mapping_np,
+            input_batch.positions[rows],
+            input_batch.input_ids[rows],
+            input_batch.expanded_local_pos,
+            return_logprobs=return_logprobs,
+        )
+        layout = step.rows
+        node_tokens = torch.where(
+            layout.is_draft, input_batch.input_ids[rows][layout.logit_rows], -1
+        ).long()
+        width = layout.logit_rows.shape[1]
+        sampled = torch.full(
+            (input_batch.num_reqs, self.num_speculative_steps + 1),
+            -1,
+            dtype=torch.int64,
+            device=logits.device,
+        )
+        walk = walk_trees_triton(
+            node_tokens,
+            step.parents[:, :width],
+            layout.num_nodes,
+            choices[layout.logit_rows],
+            step.max_depth,
+            sampled,
+        )
+        self.last_walk = walk
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            (walk.num_accepted + 1).to(torch.int32),
+            input_batch.seq_lens,
+            input_batch.cu_num_logits,
+            input_batch.idx_mapping,
+            self.sampler.req_states.prefill_len.gpu,
+        )
+        logprobs = None
+        if return_logprobs:
+            source = (
+                processed
+                if self.sampler.logprobs_mode
+                in ("processed_logprobs", "processed_logits")
+                else logits
+            )
+            logprobs = self._get_logprobs_tensors(
+                input_batch,
+                sampled,
+                num_sampled,
+                source[path_first_rows(walk, layout, logits.shape[0])],
+            )
+        return SamplerOutput(
+            sampled_token_ids=sampled,
+            logprobs_tensors=logprobs,
+            num_nans=num_nans,
+            num_sampled=num_sampled,
+            num_rejected=num_rejected,
+        )
+
+
+def path_first_rows(walk: WalkResult, layout: VerifyRows, num_logits: int):
+    """``[num_logits]`` logit rows with each request's rows reordered so that
+    its accepted path (root first) leads, the rest following in node order."""
+    perm = path_first_permutation(walk.path, layout.logit_rows.shape[1])
+    valid = layout.num_nodes[:, None] > torch.arange(perm.shape[1], device=perm.device)
+    src = layout.logit_rows.gather(1, perm)
+    # Invalid (padding) entries scatter into one spare slot past the end.
+    dst = torch.where(valid, layout.logit_rows, num_logits)
+    order = torch.zeros(num_logits + 1, dtype=torch.long, device=perm.device)
+    order.scatter_(0, dst.flatten(), src.flatten())
+    return order[:num_logits]

@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DDTree's drafter on vLLM's V2 model runner: DFlash drafting trees.
+
+Subclasses V2's :class:`DFlashSpeculator` (its input preparation, context-KV
+precompute and CUDA graphs stay vLLM's). Three things change:
+
+* The drafter queries ``1 + max_depth`` positions per request, whatever the
+  node budget ``B`` (V2 sizes DFlash's queries by ``num_speculative_tokens``,
+  which for DDTree is ``B``).
+* ``_generate_draft`` (the part V2 captures in a CUDA graph) keeps the
+  top-``B`` log-probabilities of every drafted position and builds the
+  best-first trees in one Triton launch, on the device, inside the graph.
+  ``propose`` returns every tree's ``B`` node tokens, which the runner stores
+  as the request's draft tokens, and keeps each request's parents and depths
+  (indexed by its request-state slot) for the next verify step.
+* After a tree-verify step the accepted path is not at the head of a
+  request's token range: the runner hands over a permutation of the target
+  tokens (:meth:`set_accepted_order`) that puts it there, so DFlash's
+  ``num_rejected`` arithmetic reads the accepted path as a chain.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import VllmConfig
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.v1.ops.triton_tree_cores import build_trees_triton
+from vllm_ddtree.v1.spec_decode.tree import DraftTrees, build_trees
+
+
+class DDTreeSpeculator(DFlashSpeculator):
+    _speculator_name = "DDTree"
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        super().__init__(vllm_config, device)
+        cfg = get_ddtree_config(vllm_config)
+        assert cfg is not None, "DDTreeSpeculator needs a DDTree config"
+        self.ddtree = cfg
+        depth, budget = cfg.max_depth, cfg.budget
+        self.num_speculative_steps = depth
+        self.num_query_per_req = 1 + depth
+        num_samples = self.max_num_reqs * depth
+        as_long = dict(dtype=torch.int64, device=device)
+        self.sample_indices = torch.zeros(num_samples, **as_long)
+        self.sample_pos = torch.zeros(num_samples, **as_long)
+        self.sample_idx_mapping = torch.zeros(
+            num_samples, dtype=torch.int32, device=device
+        )
+        self.sample_col = torch.arange(depth, dtype=torch.int32, device=device).repeat(
+            self.max_num_reqs
+        )
+        self.top_k = min(budget, self.vocab_size)
+        # The last proposal's trees, by batch row (written inside the graph).
+        self.trees = _empty_trees(self.max_num_reqs, budget, device)
+        # Each request's current tree, by request-state slot: what the next
+        # verify step of that request checks.
+        self.req_trees = _empty_trees(self.max_num_reqs, budget, device)
+        self._accepted_order: torch.Tensor | None = None
+
+    def set_accepted_order(self, token_order: torch.Tensor | None) -> None:
+        """``token_order[i]`` is the target token whose hidden states go to
+        slot ``i`` in the next :meth:`propose`; ``None``: keep vLLM's order."""
+        self._accepted_order = token_order
+
+    def _generate_draft(
+        self,
+        num_reqs: int,
+        num_tokens_padded: int,
+        attn_metadata,
+        slot_mappings,
+        num_tokens_across_dp,
+        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+    ) -> None:
+        hidden_states = self._run_model(
+            num_tokens_padded,
+            attn_metadata,
+            slot_mappings,
+            num_tokens_across_dp,
+            cudagraph_runtime_mode,
+        )
+        depth = self.num_speculative_steps
+        rows = self.sample_indices[: num_reqs * depth]
+        logits = self.model.compute_logits(hidden_states[rows])
+        # The drafter's distribution at temperature 1 whatever the request's
+        # temperature: verification is lossless, the drafter only has to rank.
+        values, tokens = logits.float().log_softmax(dim=-1).topk(self.top_k, dim=-1)
+        values = values.view(num_reqs, depth, self.top_k)
+        tokens = tokens.view(num_reqs, depth, self.top_k)
+        budget, force_spine = self.ddtree.budget, self.ddtree.force_spine
+        trees = build_trees_triton(values, tokens, budget, force_spine)
+        if trees is None:  # budgets too large for the kernel's register sorts
+            trees = build_trees(values, tokens, budget, force_spine)
+        for name in _TREE_FIELDS:
+            getattr(self.trees, name)[:num_reqs] = getattr(trees, name)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        input_batch,
+        attn_metadata,
+        slot_mappings,
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        *args,
+        **kwargs,
+    ) -> torch.Tensor:
+        order, self._accepted_order = self._accepted_order, None
+        if order is not None:
+            last_hidden_states = _permute_head(last_hidden_states, order)
+            if aux_hidden_states:
+                aux_hidden_states = [_permute_head(h, order) for h in aux_hidden_states]
+        super().propose(
+            input_batch,
+            attn_metadata,
+            slot_mappings,
+            last_hidden_states,
+            aux_hidden_states,
+            *args,
+            **kwargs,
+        )
+        num_reqs = input_batch.num_reqs
+        slots = input_batch.idx_mapping.long()
+        for name in _TREE_FIELDS:
+            getattr(self.req_trees, name)[slots] = getattr(self.trees, name)[:num_reqs]
+        return self.trees.tokens[:num_reqs]
+
+
+_TREE_FIELDS = ("tokens", "parents", "depths", "scores")
+
+
+def _empty_trees(num_rows: int, budget: int, device: torch.device) -> DraftTrees:
+    def zeros(dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(num_rows, budget, dtype=dtype, device=device)
+
+    return DraftTrees(
+        tokens=zeros(torch.int64),
+        parents=zeros(torch.int64),
+        depths=zeros(torch.int64),
+        scores=zeros(torch.float32),
+    )
+
+
+def _permute_head(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``rows`` with its first ``len(order)`` rows permuted by ``order`` (the
+    rest, CUDA-graph padding, unchanged)."""
+    n = order.shape[0]
+    if rows.shape[0] == n:
+        return rows[order]
+    return torch.cat([rows[:n][order], rows[n:]])
