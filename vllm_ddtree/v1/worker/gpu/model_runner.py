@@ -38,6 +38,7 @@ from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import publish_tree
 from vllm_ddtree.v1.spec_decode.tree import gather_tree_layout
 from vllm_ddtree.v1.worker.ddtree_model_runner import (
+    DDTreeModelRunnerMixin,
     patched_attribute,
     warm_up_tree_kernels,
 )
@@ -175,5 +176,5 @@ class DDTreeV2ModelRunner(GPUModelRunner):
             self._kv_commit_plan(),
         )
 
-    def uncaptured_full_batch_hint(self) -> str | None:
-        return None
+    # The same sizes decide whether V2 captures a full batch of full trees.
+    uncaptured_full_batch_hint = DDTreeModelRunnerMixin.uncaptured_full_batch_hint
