@@ -56,10 +56,13 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# ``*-v1``: the same baseline on vLLM's V1 model runner (DDTree's runner),
-# to tell the runner's own per-step cost from DDTree's.
-METHODS = ("nospec", "nospec-v1", "dflash", "dflash-v1", "ddtree")
+# ``*-v1``: the same baseline on vLLM's V1 model runner (DDTree's default
+# runner), to tell the runner's own per-step cost from DDTree's;
+# ``ddtree-v2``: DDTree on the V2 runner (``ddtree.model_runner: "v2"``, fixed
+# budgets).
+METHODS = ("nospec", "nospec-v1", "dflash", "dflash-v1", "ddtree", "ddtree-v2")
 V1_SUFFIX = "-v1"
+V2_SUFFIX = "-v2"
 DFLASH_DRAFTS = 15  # stock DFlash drafts block_size - 1 tokens
 
 
@@ -77,7 +80,7 @@ def _floats(s: str) -> list[float]:
 
 
 def _base_method(method: str) -> str:
-    return method.removesuffix(V1_SUFFIX)
+    return method.removesuffix(V1_SUFFIX).removesuffix(V2_SUFFIX)
 
 
 def _speculative_config(job: dict) -> dict | None:
@@ -88,11 +91,13 @@ def _speculative_config(job: dict) -> dict | None:
         "model": job["drafter"],
         "num_speculative_tokens": job["budget"],
     }
-    if job["method"] == "ddtree":
+    if _base_method(job["method"]) == "ddtree":
         config["ddtree"] = {
             "adaptive_budget": not job["fixed_budget"],
             "flash_context": job["flash_context"],
         }
+        if job["method"].endswith(V2_SUFFIX):
+            config["ddtree"]["model_runner"] = "v2"
     return config
 
 
@@ -176,6 +181,7 @@ def run_worker(job: dict) -> list[dict]:
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     rows = []
+    is_ddtree = _base_method(job["method"]) == "ddtree"
     for temperature in job["temperatures"]:
         for batch in job["batch_sizes"]:
             # Warm-up at this shape and sampling mode (lazy compiles, graphs).
@@ -207,9 +213,8 @@ def run_worker(job: dict) -> list[dict]:
                 {
                     "method": job["method"],
                     "budget": job["budget"],
-                    "adaptive_budget": job["method"] == "ddtree"
-                    and not job["fixed_budget"],
-                    "flash_context": job["method"] == "ddtree" and job["flash_context"],
+                    "adaptive_budget": is_ddtree and not job["fixed_budget"],
+                    "flash_context": is_ddtree and job["flash_context"],
                     "async_scheduling": async_scheduling,
                     "batch": batch,
                     "temperature": temperature,
@@ -282,8 +287,9 @@ def table(rows: list[dict]) -> str:
     for r in sorted(
         rows, key=lambda r: (*_key(r), order[r["method"]], r["budget"] or 0)
     ):
-        budget = r["budget"] if r["method"] == "ddtree" else "-"
-        if r["method"] == "ddtree" and not r.get("adaptive_budget", True):
+        is_ddtree = _base_method(r["method"]) == "ddtree"
+        budget = r["budget"] if is_ddtree else "-"
+        if is_ddtree and not r.get("adaptive_budget", True):
             budget = f"{budget} fixed"
         if r.get("flash_context"):
             budget = f"{budget} flash-ctx"
@@ -408,7 +414,7 @@ def report(out: Path) -> list[dict]:
 def _jobs(args) -> list[dict]:
     jobs = []
     for method in args.methods:
-        budgets = args.budgets if method == "ddtree" else [DFLASH_DRAFTS]
+        budgets = args.budgets if _base_method(method) == "ddtree" else [DFLASH_DRAFTS]
         for budget in budgets:
             no_drafts = _base_method(method) == "nospec"
             jobs.append({"method": method, "budget": None if no_drafts else budget})
@@ -564,6 +570,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
     if args.async_scheduling and "ddtree" in args.methods and not args.fixed_budget:
         ap.error("--async-scheduling with ddtree needs --fixed-budget")
+    if "ddtree-v2" in args.methods and not args.fixed_budget:
+        ap.error("ddtree-v2 needs --fixed-budget (V2 has no adaptive budgets)")
     prompts_file = None
     if args.load_format != "dummy":
         from vllm_ddtree.fixtures import TRAINED_TINY_DIR, trained_pair
@@ -589,9 +597,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = _engine_settings(args)
     for job in _jobs(args):
         tag = f"{job['method']}" + (f"-B{job['budget']}" if job["budget"] else "")
-        if job["method"] == "ddtree" and args.fixed_budget:
+        if _base_method(job["method"]) == "ddtree" and args.fixed_budget:
             tag += "-fixed"
-        if job["method"] == "ddtree" and args.flash_context:
+        if _base_method(job["method"]) == "ddtree" and args.flash_context:
             tag += "-flashctx"
         if args.async_scheduling:
             tag += "-async"

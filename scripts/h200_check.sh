@@ -28,6 +28,9 @@
 #   bash scripts/h200_check.sh e2e-8b-async  # no-spec / DFlash / DDTree, all async-scheduled (~8 min;
 #                                          # E2E_BATCHES=1 for batch 1 only)
 #   bash scripts/h200_check.sh e2e-8b-async-flash  # + DDTree with ddtree.flash_context, same table (~4 min)
+#   bash scripts/h200_check.sh e2e-8b-async-v2  # no-spec / DFlash / DDTree on the V2 runner
+#                                          # (ddtree.model_runner "v2"), same table (~8 min;
+#                                          # E2E_METHODS picks the methods)
 #   bash scripts/h200_check.sh e2e-hybrid  # dummy Qwen3.5-9B-like hybrid: no-spec / DFlash / DDTree (~9 min;
 #                                        # E2E_BATCHES=1 for batch 1 only)
 #   bash scripts/h200_check.sh e2e-qwen35  # the same on dummy Qwen3.5-9B (M-RoPE, served
@@ -49,7 +52,7 @@
 # $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-hybrid|e2e-qwen35|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async}
+mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-8b-async-v2|e2e-hybrid|e2e-qwen35|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -301,7 +304,7 @@ shapes)
     --batches 1,4,16 --contexts 1024,4096 --trees 17,65 \
     --out "$out/tree_attention_engine_shapes.json"
   ;;
-e2e-8b | e2e-8b-flash | e2e-8b-v1 | e2e-8b-async | e2e-8b-async-flash)
+e2e-8b | e2e-8b-flash | e2e-8b-v1 | e2e-8b-async | e2e-8b-async-flash | e2e-8b-async-v2)
   # DDTree's first start on a fresh machine compiles its Triton variants
   # (about 90 s for the 8B geometry), hence the longer job timeout. The
   # async modes write a table of their own (ratios compare like with like;
@@ -328,6 +331,8 @@ e2e-8b | e2e-8b-flash | e2e-8b-v1 | e2e-8b-async | e2e-8b-async-flash)
     step "$mode" "${E2E_LIMIT:-300}" "${e2e_8b[@]}" --methods ddtree --flash-context ;;
   e2e-8b-v1)
     step e2e-8b-v1 "${E2E_LIMIT:-420}" "${e2e_8b[@]}" --methods nospec-v1,dflash-v1 ;;
+  e2e-8b-async-v2)
+    step "$mode" "${E2E_LIMIT:-590}" "${e2e_8b[@]}" --methods ${E2E_METHODS:-nospec,dflash,ddtree-v2} ;;
   esac
   e2e_report "$table"
   ;;
