@@ -118,6 +118,15 @@ def test_request_budget_needs_synchronous_scheduling():
         validate_request(params, cfg, async_scheduling=True)
 
 
+def test_request_budget_is_refused_on_the_v2_runner():
+    """The V2 runner has no per-request budgets, whatever the scheduling."""
+    cfg = DDTreeConfig(budget=8, max_depth=15, adaptive_budget=False, model_runner="v2")
+    validate_request(SamplingParams(), cfg)
+    params = SamplingParams(extra_args={"ddtree_budget": 3})
+    with pytest.raises(ValueError, match="ddtree_budget.*V2 model runner"):
+        validate_request(params, cfg)
+
+
 @pytest.mark.parametrize(
     "chosen", [None, "CUSTOM", AttentionBackendEnum.CUSTOM], ids=str
 )

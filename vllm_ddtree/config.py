@@ -317,9 +317,9 @@ def validate_request(
     serving. Penalties, bad words, min_tokens and logits processors condition
     on the tokens before each position, which differ per tree branch; the
     tree sampler does not implement them yet, and silently dropping them
-    would change the output. Under async scheduling every tree has the
-    engine's budget (see ``plugin._configure_scheduling``), so a request's
-    own budget cannot be honoured either.
+    would change the output. Under async scheduling, and on the V2 runner,
+    every tree has the engine's budget (see ``plugin._configure_scheduling``),
+    so a request's own budget cannot be honoured either.
     """
     unsupported = []
     if params.presence_penalty or params.frequency_penalty:
@@ -344,6 +344,12 @@ def validate_request(
             " yet; remove them from the request or serve without ddtree."
         )
     budget = (params.extra_args or {}).get(BUDGET_ARG)
+    if budget is not None and cfg.model_runner == "v2":
+        raise ValueError(
+            f"extra_args[{BUDGET_ARG!r}] is not supported on the V2 model runner "
+            "(ddtree.model_runner 'v2'): every tree has the engine's "
+            "num_speculative_tokens nodes. Remove it, or serve on the V1 runner."
+        )
     if budget is not None and async_scheduling:
         raise ValueError(
             f"extra_args[{BUDGET_ARG!r}] needs synchronous scheduling: under "
