@@ -62,13 +62,16 @@ hooks, and why each is needed:
    object of a response also carries ``ddtree``: those stats. Upstream, the
    per-request metrics model would gain spec-decode fields.
 
-Two substitutions are scoped to the DDTree runner instead of made here, so
-that other engines in the same process keep vLLM's code: the runner builds
-its drafter as ``DDTreeProposer`` (vLLM's runner constructs
-``DFlashProposer`` by name), and while vLLM updates hybrid states after a
-step, ``mamba_utils.postprocess_mamba_align_gpu`` (the chain's state moves
-by accepted-token count) is replaced by the tree's own commit
-(``v1/worker/tree_mamba_utils.py``).
+Substitutions scoped to the DDTree runners instead of made here, so that
+other engines in the same process keep vLLM's code: the V1 runner builds its
+drafter as ``DDTreeProposer`` (vLLM's runner constructs ``DFlashProposer`` by
+name), and while vLLM updates hybrid states after a step,
+``mamba_utils.postprocess_mamba_align_gpu`` (the chain's state moves by
+accepted-token count) is replaced by the tree's own commit
+(``v1/worker/tree_mamba_utils.py``); the V2 runner (``ddtree.model_runner:
+"v2"``) builds its speculator as ``DDTreeSpeculator`` (V2 calls
+``init_speculator`` by name) and wraps its own model state's
+``prepare_attn`` to publish the step's trees to the tree backend.
 """
 
 from __future__ import annotations
