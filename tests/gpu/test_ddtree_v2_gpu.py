@@ -24,9 +24,12 @@ MAX_TOKENS = 64
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 
 
-@pytest.fixture(autouse=True)
-def v2_runner(monkeypatch):
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+@pytest.fixture(scope="module", autouse=True)
+def v2_runner():
+    """Every engine of this module on the V2 runner, the references too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+        yield
 
 
 def _engine(model, enforce_eager: bool, spec=None) -> LLM:
@@ -60,7 +63,7 @@ SEEDED = [
 
 
 @pytest.fixture(scope="module")
-def expected(fixtures) -> dict[str, list[list[int]]]:
+def expected(v2_runner, fixtures) -> dict[str, list[list[int]]]:
     llm = _engine(fixtures.dense_target, enforce_eager=False)
     try:
         return {"greedy": _generate(llm, GREEDY), "seeded": _generate(llm, SEEDED)}
