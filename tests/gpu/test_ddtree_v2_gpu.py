@@ -9,19 +9,14 @@ Run on the device machine: ``python -m pytest tests/gpu -q``.
 from __future__ import annotations
 
 import pytest
-import torch
 from vllm import LLM, SamplingParams
 
+from tests.gpu import test_ddtree_engine_gpu as v1_engine_tests
+from tests.gpu.test_ddtree_engine_gpu import ACCEPTED, MAX_TOKENS, PROMPTS
 from tests.utils import ddtree_config, make_llm, metric, shutdown_llm
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
-
-PROMPTS = [[(31 * i + 7 * j) % 300 + 5 for j in range(3 + i)] for i in range(12)]
-MAX_TOKENS = 64
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+# The V1 engine tests' marks: GPU only.
+pytestmark = v1_engine_tests.pytestmark
 
 
 @pytest.fixture(scope="module", autouse=True)

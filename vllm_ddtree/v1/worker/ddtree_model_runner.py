@@ -49,7 +49,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_ddtree.config import BUDGET_ARG, DDTreeConfig, get_ddtree_config
+from vllm_ddtree.config import BUDGET_ARG, get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import (
     TreeAttentionInfo,
     publish_tree,
@@ -511,31 +511,19 @@ class DDTreeModelRunnerMixin:
 class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
     def warm_up_tree_kernels(self) -> None:
         warm_up_tree_kernels(
-            self.device,
-            self.ddtree,
-            self.model_config.get_vocab_size(),
-            self.kv_cache_config,
-            self.compilation_config.static_forward_context,
-            lambda gid: self.input_batch.block_table[gid].get_device_tensor(1),
-            self._kv_commit_plan(),
+            self, lambda gid: self.input_batch.block_table[gid].get_device_tensor(1)
         )
 
 
 @torch.inference_mode()
 def warm_up_tree_kernels(
-    device: torch.device,
-    cfg: DDTreeConfig,
-    vocab_size: int,
-    kv_cache_config: Any,
-    forward_context: dict[str, Any],
-    block_table_for: Callable[[int], torch.Tensor],
-    kv_commits: KVCommitPlan,
+    runner: Any, block_table_for: Callable[[int], torch.Tensor]
 ) -> None:
-    """Compile the Triton kernels of a DDTree step at start-up (GPU runners):
-    the tree cores, the tree attention once per distinct layer geometry
-    (``block_table_for(gid)``: a one-request block table of KV-cache group
-    ``gid``), and the KV commit. Otherwise each variant compiles (about a
-    second) the first time a tree size needs it, in the middle of serving."""
+    """Compile the Triton kernels of a DDTree step at start-up (the V1 and V2
+    GPU runners): the tree cores, the tree attention once per distinct layer
+    geometry (``block_table_for(gid)``: a one-request block table of KV-cache
+    group ``gid``), and the KV commit. Otherwise each variant compiles (about
+    a second) the first time a tree size needs it, in the middle of serving."""
     # Imported here: the CPU runner shares this module and needs neither.
     from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
         FlashTreeAttentionImpl,
@@ -544,15 +532,17 @@ def warm_up_tree_kernels(
         compile_variants as compile_core_variants,
     )
 
+    cfg, device = runner.ddtree, runner.device
     compile_core_variants(
         device,
         cfg.budget,
         cfg.max_depth,
-        min(cfg.budget, vocab_size),
+        min(cfg.budget, runner.model_config.get_vocab_size()),
         cfg.force_spine,
     )
+    forward_context = runner.compilation_config.static_forward_context
     done = set()
-    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
         if not isinstance(group.kv_cache_spec, AttentionSpec):
             continue
         block_table = block_table_for(gid)
@@ -571,6 +561,6 @@ def warm_up_tree_kernels(
                 done.add(geometry)
                 impl.warm_up_tree_kernels(layer.kv_cache, block_table, 1 + cfg.budget)
     zero = torch.zeros(1, dtype=torch.int64, device=device)
-    for _, commit in kv_commits.values():
+    for _, commit in runner._kv_commit_plan().values():
         if commit is not None:
             commit(zero, zero)  # slot 0 (vLLM's null block) onto itself

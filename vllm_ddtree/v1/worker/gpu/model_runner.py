@@ -167,13 +167,7 @@ class DDTreeV2ModelRunner(GPUModelRunner):
 
     def warm_up_tree_kernels(self) -> None:
         warm_up_tree_kernels(
-            self.device,
-            self.ddtree,
-            self.model_config.get_vocab_size(),
-            self.kv_cache_config,
-            self.compilation_config.static_forward_context,
-            lambda gid: self.block_tables.input_block_tables[gid][:1],
-            self._kv_commit_plan(),
+            self, lambda gid: self.block_tables.input_block_tables[gid][:1]
         )
 
     # The same sizes decide whether V2 captures a full batch of full trees.
