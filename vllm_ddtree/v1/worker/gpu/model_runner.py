@@ -36,7 +36,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import publish_tree
-from vllm_ddtree.v1.spec_decode.tree import gather_tree_layout
+from vllm_ddtree.v1.spec_decode.tree import WalkResult, gather_tree_layout
 from vllm_ddtree.v1.worker.ddtree_model_runner import (
     DDTreeModelRunnerMixin,
     patched_attribute,
@@ -137,11 +137,16 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         result = super().sample(hidden_states, input_batch, grammar_output)
         plan, self._plan = self._plan, None
         walk, self.rejection_sampler.last_walk = self.rejection_sampler.last_walk, None
-        if plan is None or walk is None:
-            return result
+        if plan is not None and walk is not None:
+            self._commit_path(plan, walk)
+        return result
+
+    def _commit_path(self, plan: VerifyPlan, walk: WalkResult) -> None:
+        """Move the accepted paths' KV to consecutive slots, put the linear
+        positions back and hand the speculator the path-first token order.
+        Runs before the speculator: it writes its own query slots into the
+        same slot-mapping buffer the compaction reads."""
         src_tokens, dst_tokens = path_moves(plan.layout, walk.path)
-        # Before the speculator runs: it writes its own query slots into the
-        # same slot-mapping buffer.
         compact_kv(
             self._kv_commit_plan(),
             lambda gid: self.block_tables.slot_mappings[gid],
@@ -152,7 +157,6 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         self.speculator.set_accepted_order(
             path_first_order(src_tokens, dst_tokens, plan.layout.total)
         )
-        return result
 
     def _kv_commit_plan(self) -> KVCommitPlan:
         if self._kv_commits is None:

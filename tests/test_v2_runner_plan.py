@@ -1,0 +1,133 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The V2 runner's per-step glue on the CPU, without an engine.
+
+vLLM's V2 runner needs a GPU, so these tests build a
+:class:`DDTreeV2ModelRunner` without running its constructor and give it the
+few attributes the two DDTree steps read: ``_plan_verify`` (trees gathered by
+request-state slot, depth positions in the persistent position buffer, the
+tree attention rows) and ``_commit_path`` (the KV moves of the accepted
+paths, the linear positions put back, the speculator's token order).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.v1.spec_decode.tree import DraftTrees, WalkResult
+from vllm_ddtree.v1.worker.gpu.model_runner import DDTreeV2ModelRunner
+from vllm_ddtree.v1.worker.host_staging import HostStaging
+
+# Request-state slot 2: root + nodes 1..4 with parents 0, 0, 1, 3 (depths 1,
+# 1, 2, 3); slot 0: a prefill row (no drafts) between the two trees; slot 1:
+# root + a chain of 2.
+SLOT_TREES = {
+    2: ([0, 0, 1, 3], [1, 1, 2, 3]),
+    1: ([0, 1], [1, 2]),
+}
+BATCH_SLOTS = [2, 0, 1]
+NUM_DRAFTS = np.array([4, 0, 2], dtype=np.int32)
+PREFILL_LEN = 3
+CONTEXT = [10, 0, 20]  # tokens before each row's query (root / prompt)
+
+
+def _runner() -> tuple[DDTreeV2ModelRunner, SimpleNamespace]:
+    budget = 4
+    trees = DraftTrees(
+        tokens=torch.zeros(3, budget, dtype=torch.long),
+        parents=torch.zeros(3, budget, dtype=torch.long),
+        depths=torch.zeros(3, budget, dtype=torch.long),
+        scores=torch.zeros(3, budget),
+    )
+    for slot, (parents, depths) in SLOT_TREES.items():
+        trees.parents[slot, : len(parents)] = torch.tensor(parents)
+        trees.depths[slot, : len(depths)] = torch.tensor(depths)
+    runner = DDTreeV2ModelRunner.__new__(DDTreeV2ModelRunner)
+    runner.ddtree = DDTreeConfig(budget=budget, max_depth=15, adaptive_budget=False)
+    runner.host_staging = HostStaging("cpu")
+    runner.speculator = SimpleNamespace(req_trees=trees, order=None)
+    runner.speculator.set_accepted_order = lambda order: setattr(
+        runner.speculator, "order", order
+    )
+    runner.rejection_sampler = SimpleNamespace(step=None)
+    runner.input_buffers = SimpleNamespace(positions=torch.zeros(32, dtype=torch.long))
+    # Token slots 100 + batch token index, in the one KV-cache group.
+    runner.block_tables = SimpleNamespace(slot_mappings=100 + torch.arange(32)[None])
+    moves = []
+    runner._kv_commits = {0: ([], lambda src, dst: moves.append((src, dst)))}
+
+    query_lens = NUM_DRAFTS + 1
+    query_lens[1] = PREFILL_LEN
+    query_start = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    linear = np.concatenate(
+        [np.arange(c, c + n) for c, n in zip(CONTEXT, query_lens, strict=True)]
+    )
+    runner.input_buffers.positions[: len(linear)] = torch.from_numpy(linear)
+    seq_lens = torch.tensor([c + n for c, n in zip(CONTEXT, query_lens, strict=True)])
+    batch = SimpleNamespace(
+        num_reqs=3,
+        num_draft_tokens=int(NUM_DRAFTS.sum()),
+        num_draft_tokens_per_req=NUM_DRAFTS,
+        query_start_loc_np=query_start,
+        idx_mapping=torch.tensor(BATCH_SLOTS, dtype=torch.int32),
+        seq_lens=seq_lens.to(torch.int32),
+        seq_lens_cpu_upper_bound=seq_lens,
+    )
+    return runner, SimpleNamespace(batch=batch, moves=moves, linear=linear)
+
+
+def test_plan_moves_nodes_to_depth_positions_and_describes_the_trees():
+    runner, case = _runner()
+    plan = runner._plan_verify(case.batch)
+
+    positions = runner.input_buffers.positions[: len(case.linear)].tolist()
+    # Row 0 (slot 2): root at 10, nodes at depths 1, 1, 2, 3.
+    assert positions[0:5] == [10, 11, 11, 12, 13]
+    # Row 1: a prefill chunk keeps its positions.
+    assert positions[5:8] == [0, 1, 2]
+    # Row 2 (slot 1): a chain, depth = node index.
+    assert positions[8:11] == [20, 21, 22]
+    assert plan.linear_positions.tolist() == case.linear.tolist()
+
+    tree = plan.tree
+    assert tree.req_rows_cpu == [0, 2]
+    assert tree.q_start_cpu == [0, 8]
+    assert tree.num_nodes_cpu == [5, 3]
+    assert tree.ctx_len.tolist() == [10, 20]
+    assert tree.parents.tolist() == [[-1, 0, 0, 1, 3], [-1, 0, 1, -1, -1]]
+    assert not tree.covers_batch  # the prefill row is not a tree
+    step = runner.rejection_sampler.step
+    assert step.parents.shape == (3, 5)
+    assert step.parents[1].tolist() == [-1] * 5
+
+
+def test_commit_moves_the_accepted_path_and_restores_positions():
+    runner, case = _runner()
+    plan = runner._plan_verify(case.batch)
+    # Row 0 accepts node 2 (a leaf); row 2 its whole chain 0 -> 1 -> 2.
+    path = torch.full((3, 16), -1, dtype=torch.long)
+    path[:, 0] = 0
+    path[0, 1] = 2
+    path[2, 1:3] = torch.tensor([1, 2])
+    walk = WalkResult(
+        path=path,
+        num_accepted=torch.tensor([1, 0, 2]),
+        bonus=torch.zeros(3, dtype=torch.long),
+    )
+    runner._commit_path(plan, walk)
+
+    [(src, dst)] = case.moves
+    moved = dict(zip(dst.tolist(), src.tolist(), strict=True))
+    # Row 0: node 2 (slot 102) into node 1's slot (101); the rejected nodes
+    # 1, 3, 4 follow in node order.
+    assert [moved[s] for s in (101, 102, 103, 104)] == [102, 101, 103, 104]
+    # Row 2: the chain is already in order.
+    assert [moved[s] for s in (109, 110)] == [109, 110]
+    positions = runner.input_buffers.positions[: len(case.linear)]
+    assert positions.tolist() == case.linear.tolist()
+    order = runner.speculator.order.tolist()
+    assert order[:5] == [0, 2, 1, 3, 4]
+    assert order[5:] == list(range(5, len(case.linear)))
