@@ -1,0 +1,112 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The V2 runner's DDTree speculator on the CPU, without an engine.
+
+vLLM's V2 DFlash speculator needs a GPU, so :class:`DDTreeSpeculator` is
+built here without its constructor and given the attributes the DDTree parts
+read. Checked: ``_generate_draft`` turns the drafter's positions into the
+best-first trees of :func:`build_trees` (the torch build; the Triton one is
+compared with it in ``test_triton_tree_cores.py``); ``propose`` hands DFlash
+the target's hidden states path-first (CUDA-graph padding rows untouched),
+keeps every request's tree by request-state slot and returns its nodes.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.v1.spec_decode.tree import build_trees
+from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree import speculator as module
+from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator import (
+    DDTreeSpeculator,
+    _empty_trees,
+)
+
+BUDGET, DEPTH, VOCAB, MAX_REQS = 6, 3, 11, 4
+
+
+def _speculator(monkeypatch) -> DDTreeSpeculator:
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    spec.ddtree = DDTreeConfig(budget=BUDGET, max_depth=DEPTH, adaptive_budget=False)
+    spec.num_speculative_steps = DEPTH
+    spec.top_k = BUDGET
+    spec.trees = _empty_trees(MAX_REQS, BUDGET, torch.device("cpu"))
+    spec.req_trees = _empty_trees(MAX_REQS, BUDGET, torch.device("cpu"))
+    spec._accepted_order = None
+    # The drafter's "hidden states" are its logits; rows 0..R*DEPTH-1 are the
+    # sampled positions in request-major order, as DFlash's kernel lays them.
+    spec.model = SimpleNamespace(compute_logits=lambda hidden: hidden)
+    spec.sample_indices = torch.arange(MAX_REQS * DEPTH)
+    # On the CPU the register-sort kernel cannot run: the torch build.
+    monkeypatch.setattr(module, "build_trees_triton", lambda *args: None)
+    return spec
+
+
+def test_generate_draft_builds_best_first_trees(monkeypatch):
+    spec = _speculator(monkeypatch)
+    num_reqs = 3
+    logits = torch.randn(
+        MAX_REQS * DEPTH, VOCAB, generator=torch.Generator().manual_seed(0)
+    )
+    spec._run_model = lambda *args: logits
+    spec._generate_draft(num_reqs, num_reqs * (1 + DEPTH), None, None, None)
+
+    logprobs = logits[: num_reqs * DEPTH].log_softmax(dim=-1)
+    values, tokens = logprobs.topk(BUDGET, dim=-1)
+    expected = build_trees(
+        values.view(num_reqs, DEPTH, BUDGET),
+        tokens.view(num_reqs, DEPTH, BUDGET),
+        BUDGET,
+    )
+    for name in ("tokens", "parents", "depths", "scores"):
+        assert torch.equal(
+            getattr(spec.trees, name)[:num_reqs], getattr(expected, name)
+        )
+    # Rows past the batch keep what they had.
+    assert not spec.trees.tokens[num_reqs:].any()
+
+
+def test_propose_reorders_hidden_states_and_keeps_trees_by_slot(monkeypatch):
+    spec = _speculator(monkeypatch)
+    seen = {}
+
+    def dflash_propose(self, batch, attn, slots, hidden, aux, *args, **kwargs):
+        seen.update(hidden=hidden, aux=aux, args=args, kwargs=kwargs)
+        return self.trees.tokens[: batch.num_reqs]
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", dflash_propose)
+    for name in ("tokens", "parents", "depths", "scores"):
+        getattr(spec.trees, name)[:2] = torch.arange(2 * BUDGET).view(2, BUDGET) + 1
+    batch = SimpleNamespace(
+        num_reqs=2, idx_mapping=torch.tensor([3, 1], dtype=torch.int32)
+    )
+    hidden = torch.arange(7.0)[:, None].repeat(1, 2)  # 5 tokens + 2 padding rows
+    aux = [hidden + 100]
+    order = torch.tensor([0, 2, 1, 3, 4])
+    spec.set_accepted_order(order)
+    drafts = spec.propose(
+        batch, None, None, hidden, aux, "num_sampled", dummy_run=False
+    )
+
+    assert seen["hidden"][:, 0].tolist() == [0, 2, 1, 3, 4, 5, 6]
+    assert seen["aux"][0][:, 0].tolist() == [100, 102, 101, 103, 104, 105, 106]
+    assert seen["args"] == ("num_sampled",) and seen["kwargs"] == {"dummy_run": False}
+    assert torch.equal(drafts, spec.trees.tokens[:2])
+    assert torch.equal(spec.req_trees.parents[3], spec.trees.parents[0])
+    assert torch.equal(spec.req_trees.parents[1], spec.trees.parents[1])
+    assert not spec.req_trees.parents[[0, 2]].any()
+    # The order is used once: the next proposal keeps vLLM's order.
+    spec.propose(batch, None, None, hidden, aux)
+    assert seen["hidden"][:, 0].tolist() == list(range(7))
+
+
+@pytest.mark.parametrize("rows", [5, 7])
+def test_permute_head_leaves_padding(rows):
+    values = torch.arange(float(rows))
+    order = torch.tensor([4, 3, 2, 1, 0])
+    out = module._permute_head(values, order)
+    assert out.tolist() == [4, 3, 2, 1, 0] + list(range(5, rows))
