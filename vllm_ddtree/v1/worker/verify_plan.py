@@ -36,7 +36,8 @@ class StagedLayout:
     flattened, as batch token, request row and node index; ``tree_rows`` are
     the rows with drafts, with their ``tree_nodes`` and ``tree_q_start``;
     ``rows`` the sampler's maps; ``extra`` any arrays the caller added to the
-    copy. ``host`` keeps the host arrays the tree attention info needs.
+    copy. ``width`` is the widest row, ``total`` the batch's token count; the
+    ``host_*`` arrays are what the tree attention info needs on the host.
     """
 
     num_nodes: torch.Tensor
