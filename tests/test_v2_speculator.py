@@ -4,8 +4,9 @@
 vLLM's V2 DFlash speculator needs a GPU, so :class:`DDTreeSpeculator` is
 built here without its constructor and given the attributes the DDTree parts
 read. Checked: ``_generate_draft`` turns the drafter's positions into the
-best-first trees of :func:`build_trees` (the torch build; the Triton one is
-compared with it in ``test_triton_tree_cores.py``); ``propose`` hands DFlash
+best-first trees of :func:`build_trees` (on the CPU the shared build is the
+torch one; the Triton one is compared with it in
+``test_triton_tree_cores.py``); ``propose`` hands DFlash
 the target's hidden states path-first (CUDA-graph padding rows untouched),
 keeps every request's tree by request-state slot and returns its nodes.
 """
@@ -29,11 +30,10 @@ from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator import (
 BUDGET, DEPTH, VOCAB, MAX_REQS = 6, 3, 11, 4
 
 
-def _speculator(monkeypatch) -> DDTreeSpeculator:
+def _speculator() -> DDTreeSpeculator:
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
     spec.ddtree = DDTreeConfig(budget=BUDGET, max_depth=DEPTH, adaptive_budget=False)
     spec.num_speculative_steps = DEPTH
-    spec.top_k = BUDGET
     spec.trees = _empty_trees(MAX_REQS, BUDGET, torch.device("cpu"))
     spec.req_trees = _empty_trees(MAX_REQS, BUDGET, torch.device("cpu"))
     spec._accepted_order = None
@@ -41,13 +41,11 @@ def _speculator(monkeypatch) -> DDTreeSpeculator:
     # sampled positions in request-major order, as DFlash's kernel lays them.
     spec.model = SimpleNamespace(compute_logits=lambda hidden: hidden)
     spec.sample_indices = torch.arange(MAX_REQS * DEPTH)
-    # On the CPU the register-sort kernel cannot run: the torch build.
-    monkeypatch.setattr(module, "build_trees_triton", lambda *args: None)
     return spec
 
 
-def test_generate_draft_builds_best_first_trees(monkeypatch):
-    spec = _speculator(monkeypatch)
+def test_generate_draft_builds_best_first_trees():
+    spec = _speculator()
     num_reqs = 3
     logits = torch.randn(
         MAX_REQS * DEPTH, VOCAB, generator=torch.Generator().manual_seed(0)
@@ -71,7 +69,7 @@ def test_generate_draft_builds_best_first_trees(monkeypatch):
 
 
 def test_propose_reorders_hidden_states_and_keeps_trees_by_slot(monkeypatch):
-    spec = _speculator(monkeypatch)
+    spec = _speculator()
     seen = {}
 
     def dflash_propose(self, batch, attn, slots, hidden, aux, *args, **kwargs):

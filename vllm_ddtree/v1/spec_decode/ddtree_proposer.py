@@ -27,7 +27,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.v1.spec_decode.tree import DraftTrees, build_trees
 
 
@@ -133,38 +133,47 @@ class DDTreeProposer(DFlashProposer):
         assert self._topk is not None
         values, tokens = self._topk
         self._topk = None
-        num_reqs = common_attn_metadata.batch_size()
-        k = values.shape[-1]
-        self.last_trees = self._build_trees(
-            values.view(num_reqs, self.ddtree.max_depth, k),
-            tokens.view(num_reqs, self.ddtree.max_depth, k),
-        )
+        self.last_trees = self._build_trees(values, tokens)
         return self.last_trees.tokens[:, :num_speculative_tokens].to(torch.int32)
 
     def _build_trees(self, values: torch.Tensor, tokens: torch.Tensor) -> DraftTrees:
-        """The best-first trees: one Triton launch on a GPU (the torch build
-        costs a launch per operation and depth), the torch build otherwise
-        or when the budget is too large for the kernel's register sorts."""
-        budget, force_spine = self.ddtree.budget, self.ddtree.force_spine
-        if values.is_cuda:
-            # Imported here: only GPU processes need Triton.
-            from vllm_ddtree.v1.ops.triton_tree_cores import build_trees_triton
-
-            trees = build_trees_triton(values, tokens, budget, force_spine)
-            if trees is not None:
-                return trees
-        return build_trees(values, tokens, budget, force_spine)
+        # A method of its own so that the step profiler can time it.
+        return build_draft_trees(values, tokens, self.ddtree)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-        """Keep the top-``budget`` log-probabilities of every position.
-
-        The tree uses the drafter's distribution at temperature 1 whatever
-        the request's sampling temperature (verification is lossless, so the
-        drafter only has to rank well).
-        """
-        logits = self.model.compute_logits(hidden_states)
-        logprobs = logits.float().log_softmax(dim=-1)
-        k = min(self.ddtree.budget, logprobs.shape[-1])
-        values, tokens = logprobs.topk(k, dim=-1)
+        """Keep the top-``budget`` log-probabilities of every position."""
+        values, tokens = draft_topk(
+            self.model.compute_logits(hidden_states), self.ddtree.budget
+        )
         self._topk = (values, tokens)
         return tokens[:, 0], None
+
+
+def draft_topk(logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-``budget`` log-probabilities (and tokens) of every drafted
+    position. The tree uses the drafter's distribution at temperature 1
+    whatever the request's sampling temperature (verification is lossless,
+    so the drafter only has to rank well)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    return logprobs.topk(min(budget, logprobs.shape[-1]), dim=-1)
+
+
+def build_draft_trees(
+    values: torch.Tensor, tokens: torch.Tensor, cfg: DDTreeConfig
+) -> DraftTrees:
+    """The best-first trees of :func:`draft_topk`'s rows (``max_depth``
+    consecutive rows per request): one Triton launch on a GPU (the torch
+    build costs a launch per operation and depth), the torch build otherwise
+    or when the budget is too large for the kernel's register sorts. Used by
+    the V1 proposer and the V2 speculator."""
+    k = values.shape[-1]
+    values = values.view(-1, cfg.max_depth, k)
+    tokens = tokens.view(-1, cfg.max_depth, k)
+    if values.is_cuda:
+        # Imported here: only GPU processes need Triton.
+        from vllm_ddtree.v1.ops.triton_tree_cores import build_trees_triton
+
+        trees = build_trees_triton(values, tokens, cfg.budget, cfg.force_spine)
+        if trees is not None:
+            return trees
+    return build_trees(values, tokens, cfg.budget, cfg.force_spine)

@@ -59,20 +59,21 @@ class TreeWalkSampler(RejectionSampler):
         step, self.step = self.step, None
         assert step is not None, "a verify batch without published trees"
         num_nans = get_num_nans(logits) if self.sampler.compute_nans else None
-        rows = input_batch.logits_indices
+        # The token of every logit row: the root's or a node's.
+        row_tokens = input_batch.input_ids[input_batch.logits_indices]
         return_logprobs = self.sampler.returns_logprobs(input_batch.idx_mapping_np)
         choices, processed = self.sampler.sample(
             logits,
             input_batch.expanded_idx_mapping,
             input_batch.idx_mapping_np,
-            input_batch.positions[rows],
-            input_batch.input_ids[rows],
+            input_batch.positions[input_batch.logits_indices],
+            row_tokens,
             input_batch.expanded_local_pos,
             return_logprobs=return_logprobs,
         )
         layout = step.rows
         node_tokens = torch.where(
-            layout.is_draft, input_batch.input_ids[rows][layout.logit_rows], -1
+            layout.is_draft, row_tokens[layout.logit_rows], -1
         ).long()
         width = layout.logit_rows.shape[1]
         sampled = torch.full(

@@ -27,8 +27,8 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.config import get_ddtree_config
-from vllm_ddtree.v1.ops.triton_tree_cores import build_trees_triton
-from vllm_ddtree.v1.spec_decode.tree import DraftTrees, build_trees
+from vllm_ddtree.v1.spec_decode.ddtree_proposer import build_draft_trees, draft_topk
+from vllm_ddtree.v1.spec_decode.tree import DraftTrees
 
 
 class DDTreeSpeculator(DFlashSpeculator):
@@ -52,7 +52,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.sample_col = torch.arange(depth, dtype=torch.int32, device=device).repeat(
             self.max_num_reqs
         )
-        self.top_k = min(budget, self.vocab_size)
         # The last proposal's trees, by batch row (written inside the graph).
         self.trees = _empty_trees(self.max_num_reqs, budget, device)
         # Each request's current tree, by request-state slot: what the next
@@ -81,18 +80,11 @@ class DDTreeSpeculator(DFlashSpeculator):
             num_tokens_across_dp,
             cudagraph_runtime_mode,
         )
-        depth = self.num_speculative_steps
-        rows = self.sample_indices[: num_reqs * depth]
-        logits = self.model.compute_logits(hidden_states[rows])
-        # The drafter's distribution at temperature 1 whatever the request's
-        # temperature: verification is lossless, the drafter only has to rank.
-        values, tokens = logits.float().log_softmax(dim=-1).topk(self.top_k, dim=-1)
-        values = values.view(num_reqs, depth, self.top_k)
-        tokens = tokens.view(num_reqs, depth, self.top_k)
-        budget, force_spine = self.ddtree.budget, self.ddtree.force_spine
-        trees = build_trees_triton(values, tokens, budget, force_spine)
-        if trees is None:  # budgets too large for the kernel's register sorts
-            trees = build_trees(values, tokens, budget, force_spine)
+        rows = self.sample_indices[: num_reqs * self.num_speculative_steps]
+        values, tokens = draft_topk(
+            self.model.compute_logits(hidden_states[rows]), self.ddtree.budget
+        )
+        trees = build_draft_trees(values, tokens, self.ddtree)
         for name in _TREE_FIELDS:
             getattr(self.trees, name)[:num_reqs] = getattr(trees, name)
 
