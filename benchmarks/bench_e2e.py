@@ -441,12 +441,17 @@ def _tokens_needed(args) -> int:
 def _engine_settings(args) -> dict:
     """Identical for every method; only ``speculative_config`` differs."""
     on_gpu = _on_gpu()
-    widest = _widest(args) + 1
+    # vLLM holds back max_num_seqs x (the drafter's extra queries, 15 for
+    # DFlash and for DDTree's default depth) of the token budget for
+    # drafting; without room for those as well, the scheduler fits fewer
+    # than a full batch of (1 + B)-token trees into a step (B=64 at batch 16
+    # took two steps per token, 2026-12-06).
+    per_request = _widest(args) + 1 + DFLASH_DRAFTS
     settings = {
         "dtype": args.dtype,
         "max_model_len": args.max_model_len,
         "max_num_batched_tokens": max(
-            args.max_model_len, max(args.batch_sizes) * widest
+            args.max_model_len, max(args.batch_sizes) * per_request
         ),
         "enforce_eager": args.enforce_eager or not on_gpu,
         "gpu_memory_utilization": args.gpu_memory_utilization

@@ -87,9 +87,14 @@ def test_full_graph_candidate():
 
 
 def _runner(
-    device="cuda", mode="FULL_AND_PIECEWISE", capture=512, max_num_batched_tokens=8192
+    device="cuda",
+    mode="FULL_AND_PIECEWISE",
+    capture=512,
+    max_num_batched_tokens=8192,
+    drafting_reserve=16 * 15,
 ):
-    """The runner fields the CUDA-graph sizing reads (16 sequences, B=64)."""
+    """The runner fields the CUDA-graph and token-budget sizing read (16
+    sequences, B=64; vLLM holds ``drafting_reserve`` tokens back)."""
     from types import SimpleNamespace
 
     from vllm.config import CUDAGraphMode
@@ -101,7 +106,9 @@ def _runner(
             max_cudagraph_capture_size=capture,
         ),
         scheduler_config=SimpleNamespace(
-            max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens
+            max_num_seqs=16,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_scheduled_tokens=max_num_batched_tokens - drafting_reserve,
         ),
         ddtree=SimpleNamespace(budget=64),
     )
@@ -117,6 +124,8 @@ def test_full_graph_grid():
 
     assert grid() == [65, 130, 260, 455]  # 7 trees of 65 fit 512 tokens
     assert grid(capture=1040) == [65, 130, 260, 520, 1040]
+    # Only what the scheduler may schedule (the drafting reserve left out).
+    assert grid(capture=1040, max_num_batched_tokens=1040) == [65, 130, 260, 520, 780]
     assert grid(capture=64) == []
     assert grid(mode="PIECEWISE") == []
     assert grid(device="cpu") == []
@@ -134,11 +143,29 @@ def test_uncaptured_full_batch_hint():
     message = hint()
     assert "more than 512 tokens" in message
     assert "max_cudagraph_capture_size to 1040" in message
-    assert "to 600" in hint(max_num_batched_tokens=600)
+    assert "to 600" in hint(max_num_batched_tokens=600, drafting_reserve=0)
     assert hint(capture=1040) is None
-    assert hint(capture=512, max_num_batched_tokens=512) is None
+    assert hint(capture=512, max_num_batched_tokens=752) is None
     assert hint(mode="NONE") is None
     assert hint(device="cpu") is None
+
+
+def test_token_budget_hint():
+    """A startup warning when vLLM's drafting reserve leaves room for fewer
+    than max_num_seqs full trees: 1040 - 16 x 15 = 800 tokens hold 12 trees
+    of 65; it names the max_num_batched_tokens that holds 16 (1040 + 240)."""
+    from vllm_ddtree.v1.worker.ddtree_model_runner import DDTreeModelRunnerMixin
+
+    def hint(**kwargs):
+        return DDTreeModelRunnerMixin.token_budget_hint(_runner(**kwargs))
+
+    message = hint(max_num_batched_tokens=1040)
+    assert "schedule 800 tokens" in message
+    assert "at most 12 full trees" in message
+    assert "max_num_batched_tokens to at least 1280" in message
+    assert hint(max_num_batched_tokens=1280) is None
+    # Off the GPU too: it is the scheduler's budget, not a kernel's.
+    assert "at least 1280" in hint(device="cpu", max_num_batched_tokens=1000)
 
 
 def test_latency_model_takes_the_median_of_its_runs(monkeypatch):

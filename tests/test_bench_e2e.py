@@ -85,11 +85,12 @@ def test_split_grid_keeps_one_set_of_engine_settings(async_scheduling):
     assert settings[0] == settings[1] == settings[2]
     tree = 256 * (2 if async_scheduling else 1)
     assert settings[0]["max_model_len"] == 64 + 128 + 1 + tree + 1 + 15 + 1
-    assert settings[0]["max_num_batched_tokens"] == 64 * 257
+    # 64 trees of 257 nodes, and vLLM's drafting reserve of 15 per sequence.
+    assert settings[0]["max_num_batched_tokens"] == 64 * (257 + 15)
     # Without it, each run sizes for its own widest draft.
     alone = _args([16, 64])
     alone.max_model_len = _tokens_needed(alone) + 1
-    assert _engine_settings(alone)["max_num_batched_tokens"] == 64 * 65
+    assert _engine_settings(alone)["max_num_batched_tokens"] == 64 * (65 + 15)
 
 
 @pytest.mark.parametrize(

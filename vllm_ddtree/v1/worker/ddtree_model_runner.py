@@ -94,9 +94,10 @@ def _synchronize(device: torch.device) -> None:
 
 def _full_batch_tokens(scheduler_config: Any, budget: int) -> int:
     """Tokens of the largest verify batch: every sequence slot with a full
-    tree of ``1 + budget`` nodes, within the scheduler's token budget."""
+    tree of ``1 + budget`` nodes, within what the scheduler may schedule in
+    a step (vLLM's token budget less its drafting reserve)."""
     return min(
-        scheduler_config.max_num_batched_tokens,
+        scheduler_config.max_num_scheduled_tokens,
         scheduler_config.max_num_seqs * (1 + budget),
     )
 
@@ -445,7 +446,7 @@ class DDTreeModelRunnerMixin:
         max_reqs = min(
             self.scheduler_config.max_num_seqs,
             (self.compilation_config.max_cudagraph_capture_size or 0) // n,
-            self.scheduler_config.max_num_batched_tokens // n,
+            self.scheduler_config.max_num_scheduled_tokens // n,
         )
         if max_reqs < 1:
             return []
@@ -471,8 +472,34 @@ class DDTreeModelRunnerMixin:
             f"DDTree verify batches of more than {capture} tokens run without "
             f"CUDA graphs (compilation_config.max_cudagraph_capture_size); a "
             f"full batch of full trees is {full_batch} tokens (max_num_seqs x "
-            f"(1 + num_speculative_tokens), at most max_num_batched_tokens): set "
+            f"(1 + num_speculative_tokens), at most the scheduler's "
+            f"max_num_scheduled_tokens): set "
             f"max_cudagraph_capture_size to {full_batch} to capture it"
+        )
+
+    def token_budget_hint(self) -> str | None:
+        """What to warn when the scheduler cannot fit a full batch of full
+        trees into one step; None when it can.
+
+        vLLM holds ``max_num_seqs`` x (the drafter's extra queries) of
+        ``max_num_batched_tokens`` back for drafting. A budget sized for the
+        trees alone leaves room for fewer of them: the other requests wait a
+        step, and every token costs two verify steps (B=64 at batch 16)."""
+        sched = self.scheduler_config
+        full_batch = sched.max_num_seqs * (1 + self.ddtree.budget)
+        if sched.max_num_scheduled_tokens >= full_batch:
+            return None
+        reserve = sched.max_num_batched_tokens - sched.max_num_scheduled_tokens
+        return (
+            f"The scheduler may schedule {sched.max_num_scheduled_tokens} tokens "
+            f"a step (max_num_batched_tokens {sched.max_num_batched_tokens} less "
+            f"{reserve} held back for drafting), fewer than a full batch of full "
+            f"trees ({sched.max_num_seqs} x (1 + num_speculative_tokens) = "
+            f"{full_batch}): a step verifies at most "
+            f"{sched.max_num_scheduled_tokens // (1 + self.ddtree.budget)} full "
+            f"trees and further requests wait. Set max_num_batched_tokens to "
+            f"at least {full_batch + reserve}, or lower max_num_seqs or "
+            f"num_speculative_tokens"
         )
 
     def _latency_model(

@@ -79,6 +79,8 @@ class DDTreeWorkerMixin:
         self.model_runner.warm_up_tree_kernels()
         if hint := self.model_runner.uncaptured_full_batch_hint():
             logger.info(hint)
+        if hint := self.model_runner.token_budget_hint():
+            logger.warning(hint)
         times = super().compile_or_warm_up_model()
         # After CUDA-graph capture, so the model times what decoding runs.
         if self.model_runner.ddtree.adaptive_budget:

@@ -174,5 +174,7 @@ class DDTreeV2ModelRunner(GPUModelRunner):
             self, lambda gid: self.block_tables.input_block_tables[gid][:1]
         )
 
-    # The same sizes decide whether V2 captures a full batch of full trees.
+    # The same sizes decide whether V2 captures, and schedules, a full batch
+    # of full trees.
     uncaptured_full_batch_hint = DDTreeModelRunnerMixin.uncaptured_full_batch_hint
+    token_budget_hint = DDTreeModelRunnerMixin.token_budget_hint
