@@ -49,7 +49,8 @@
 # only while the machine stays warm.)
 # Every engine runs in a process of its own (in-process engines neither free
 # GPU memory nor reset vLLM's CUDA-graph state). Full logs are packed into
-# $OUT/logs.tgz (the device returns at most 8 files), a summary goes to
+# $OUT/logs-MODE.tgz (engine: logs-engine-NAME.tgz; the device returns at
+# most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
 mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-8b-async-v2|e2e-hybrid|e2e-qwen35|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async}
@@ -83,6 +84,10 @@ if compgen -G ".device-extra/*.whl" >/dev/null; then
 fi
 out=${OUT:-$PWD/h200-results}
 logs=$(mktemp -d)
+# Named by mode, and engine runs by test name too: two runs in one device
+# call would otherwise pack over each other's logs.
+pack="$out/logs-$mode.tgz"
+[ "$mode" = engine ] && pack="$out/logs-engine-$2.tgz"
 mkdir -p "$out"
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 
@@ -103,7 +108,7 @@ step() {
   grep -E "^(FAILED|ERROR) " "$logs/$name.log" | tee -a "$out/summary.txt"
   # Pack the logs after every step: a call cut at the device's time limit
   # still brings back everything that ran.
-  tar czf "$out/logs-$mode.tgz" -C "$logs" .
+  tar czf "$pack" -C "$logs" .
 }
 
 # Engine tests run with -s: pytest's capture would hold the engine's log
@@ -404,4 +409,4 @@ caches)
   exit 2
   ;;
 esac
-tar czf "$out/logs-$mode.tgz" -C "$logs" .
+tar czf "$pack" -C "$logs" .

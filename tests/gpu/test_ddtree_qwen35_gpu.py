@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """DDTree on a Qwen3.5 (M-RoPE, GDN) target on a CUDA GPU: greedy output
 equals no-spec up to near-ties (the CPU test's model and oracle drafter,
-eager engines).
+eager engines). A divergence is reported with both runs' top-3
+log-probabilities, which tell a shifted near-tie from a wrong state or
+position.
 
 Run on the device machine:
 ``python -m pytest tests/gpu/test_ddtree_qwen35_gpu.py -q -s``.
@@ -12,14 +14,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.test_ddtree_hybrid_gpu import _greedy_top3, tree_divergences
+from tests.oracle_drafter import Oracle, oracle_drafter
 from tests.test_ddtree_qwen35 import (  # noqa: F401
-    NUM_PROMPTS,
+    ENGINE_ARGS,
     RANKS,
-    _ddtree_run,
-    _mismatches,
+    _prompts,
     models,
     qwen35_reference,
 )
+from tests.utils import ddtree_config, make_llm, metric, shutdown_llm
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,14 +40,34 @@ GPU_ARGS = dict(
 
 @pytest.fixture(scope="module")
 def reference(models):  # noqa: F811
-    return qwen35_reference(models[0], **GPU_ARGS)
+    """No-spec outputs cut before their first near-tie, and every output
+    position's top-3 log-probabilities."""
+    prompts = _prompts()
+    cut = qwen35_reference(models[0], **GPU_ARGS)
+    llm = make_llm(models[0], skip_tokenizer_init=True, **ENGINE_ARGS, **GPU_ARGS)
+    top = [top for _, top in _greedy_top3(llm, prompts, len(prompts))]
+    shutdown_llm(llm)
+    return cut, top
 
 
 @pytest.mark.parametrize("ranks", list(RANKS))
 def test_qwen35_greedy_equals_no_spec_gpu(models, reference, ranks):  # noqa: F811
-    results, tau = _ddtree_run(
-        models, reference, ((8, NUM_PROMPTS), (1, 3)), RANKS[ranks], **GPU_ARGS
-    )
-    for batch, got in results.items():
-        assert not _mismatches(reference[: len(got)], got), f"batch {batch}"
+    target, drafter = models
+    prompts = _prompts()
+    expected, expected_top = reference
+    sequences = {tuple(p): p + o for p, o in zip(prompts, expected, strict=True)}
+    with oracle_drafter(Oracle(sequences, RANKS[ranks])):
+        llm = make_llm(
+            target,
+            speculative_config=ddtree_config(drafter, 8),
+            skip_tokenizer_init=True,
+            **ENGINE_ARGS,
+            **GPU_ARGS,
+        )
+        failures = tree_divergences(llm, prompts, expected, expected_top)
+        tau = 1 + metric(llm, "vllm:spec_decode_num_accepted_tokens") / metric(
+            llm, "vllm:spec_decode_num_drafts"
+        )
+        shutdown_llm(llm)
+    assert not failures, "\n".join(failures)
     print(f"\n[qwen3.5 gpu, {ranks} siblings] tau {tau:.2f}")
