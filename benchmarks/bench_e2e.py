@@ -74,6 +74,22 @@ def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
 
+def _schedule(s: str) -> list[list[int]]:
+    """``FIRST-LAST:K,...`` (e.g. ``1-1:64,2-8:16,9-1024:4``) as vLLM's
+    ``num_speculative_tokens_per_batch_size``."""
+    schedule = []
+    for entry in s.split(","):
+        sizes, _, nodes = entry.partition(":")
+        first, _, last = sizes.partition("-")
+        try:
+            schedule.append([int(first), int(last or first), int(nodes)])
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"schedule entry {entry!r} is not FIRST-LAST:K"
+            ) from None
+    return schedule
+
+
 # ----------------------------------------------------------------------------
 # Worker: one engine, all batch sizes and temperatures
 # ----------------------------------------------------------------------------
@@ -98,6 +114,8 @@ def _speculative_config(job: dict) -> dict | None:
         }
         if job["method"].endswith(V2_SUFFIX):
             config["ddtree"]["model_runner"] = "v2"
+        if job["schedule"]:
+            config["num_speculative_tokens_per_batch_size"] = job["schedule"]
     return config
 
 
@@ -215,6 +233,7 @@ def run_worker(job: dict) -> list[dict]:
                     "budget": job["budget"],
                     "adaptive_budget": is_ddtree and not job["fixed_budget"],
                     "flash_context": is_ddtree and job["flash_context"],
+                    "schedule": job["schedule"] if is_ddtree else None,
                     "async_scheduling": async_scheduling,
                     "batch": batch,
                     "temperature": temperature,
@@ -289,7 +308,9 @@ def table(rows: list[dict]) -> str:
     ):
         is_ddtree = _base_method(r["method"]) == "ddtree"
         budget = r["budget"] if is_ddtree else "-"
-        if is_ddtree and not r.get("adaptive_budget", True):
+        if is_ddtree and r.get("schedule"):
+            budget = f"{budget} by batch"
+        elif is_ddtree and not r.get("adaptive_budget", True):
             budget = f"{budget} fixed"
         if r.get("flash_context"):
             budget = f"{budget} flash-ctx"
@@ -556,6 +577,12 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="every method: vLLM's async scheduling (ddtree: with --fixed-budget)",
     )
+    ap.add_argument(
+        "--schedule",
+        type=_schedule,
+        help="ddtree: vLLM's batch-size schedule of tree sizes, FIRST-LAST:K,... "
+        "(e.g. 1-1:64,2-8:16,9-1024:4; needs --fixed-budget)",
+    )
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -577,6 +604,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--async-scheduling with ddtree needs --fixed-budget")
     if "ddtree-v2" in args.methods and not args.fixed_budget:
         ap.error("ddtree-v2 needs --fixed-budget (V2 has no adaptive budgets)")
+    if args.schedule and not args.fixed_budget:
+        ap.error("--schedule needs --fixed-budget (it sizes the trees instead)")
     prompts_file = None
     if args.load_format != "dummy":
         from vllm_ddtree.fixtures import TRAINED_TINY_DIR, trained_pair
@@ -602,7 +631,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = _engine_settings(args)
     for job in _jobs(args):
         tag = f"{job['method']}" + (f"-B{job['budget']}" if job["budget"] else "")
-        if _base_method(job["method"]) == "ddtree" and args.fixed_budget:
+        if _base_method(job["method"]) == "ddtree" and args.schedule:
+            tag += "-by-batch"
+        elif _base_method(job["method"]) == "ddtree" and args.fixed_budget:
             tag += "-fixed"
         if _base_method(job["method"]) == "ddtree" and args.flash_context:
             tag += "-flashctx"
@@ -621,6 +652,7 @@ def main(argv: list[str] | None = None) -> None:
             engine=engine,
             fixed_budget=args.fixed_budget,
             flash_context=args.flash_context,
+            schedule=args.schedule,
             result=str(rows_dir / f"{tag}.json"),
         )
         spec_path = rows_dir / f".{tag}.job"

@@ -30,7 +30,9 @@
 #   bash scripts/h200_check.sh e2e-8b-async-flash  # + DDTree with ddtree.flash_context, same table (~4 min)
 #   bash scripts/h200_check.sh e2e-8b-async-v2  # no-spec / DFlash / DDTree on the V2 runner
 #                                          # (ddtree.model_runner "v2"), same table (~8 min;
-#                                          # E2E_METHODS picks the methods)
+#                                          # E2E_METHODS picks the methods; E2E_SCHEDULE,
+#                                          # e.g. 1-1:64,2-1024:15, sizes DDTree's trees
+#                                          # by batch size: rows "64 by batch")
 #   bash scripts/h200_check.sh e2e-hybrid  # dummy Qwen3.5-9B-like hybrid: no-spec / DFlash / DDTree (~9 min;
 #                                        # E2E_BATCHES=1 for batch 1 only)
 #   bash scripts/h200_check.sh e2e-qwen35  # the same on dummy Qwen3.5-9B (M-RoPE, served
@@ -337,7 +339,8 @@ e2e-8b | e2e-8b-flash | e2e-8b-v1 | e2e-8b-async | e2e-8b-async-flash | e2e-8b-a
   e2e-8b-v1)
     step e2e-8b-v1 "${E2E_LIMIT:-420}" "${e2e_8b[@]}" --methods nospec-v1,dflash-v1 ;;
   e2e-8b-async-v2)
-    step "$mode" "${E2E_LIMIT:-590}" "${e2e_8b[@]}" --methods ${E2E_METHODS:-nospec,dflash,ddtree-v2} ;;
+    step "$mode" "${E2E_LIMIT:-590}" "${e2e_8b[@]}" --methods ${E2E_METHODS:-nospec,dflash,ddtree-v2} \
+      ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"} ;;
   esac
   e2e_report "$table"
   ;;

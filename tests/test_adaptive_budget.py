@@ -92,9 +92,11 @@ def _runner(
     capture=512,
     max_num_batched_tokens=8192,
     drafting_reserve=16 * 15,
+    schedule=None,
 ):
     """The runner fields the CUDA-graph and token-budget sizing read (16
-    sequences, B=64; vLLM holds ``drafting_reserve`` tokens back)."""
+    sequences, B=64; vLLM holds ``drafting_reserve`` tokens back;
+    ``schedule``: vLLM's batch-size schedule of draft lengths)."""
     from types import SimpleNamespace
 
     from vllm.config import CUDAGraphMode
@@ -109,6 +111,9 @@ def _runner(
             max_num_seqs=16,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_scheduled_tokens=max_num_batched_tokens - drafting_reserve,
+        ),
+        speculative_config=SimpleNamespace(
+            num_speculative_tokens_per_batch_size=schedule
         ),
         ddtree=SimpleNamespace(budget=64),
     )
@@ -146,6 +151,11 @@ def test_uncaptured_full_batch_hint():
     assert "to 600" in hint(max_num_batched_tokens=600, drafting_reserve=0)
     assert hint(capture=1040) is None
     assert hint(capture=512, max_num_batched_tokens=752) is None
+    # Under a batch-size schedule the widest batch is 4 trees of 64 nodes
+    # (260 tokens; 16 of 16 nodes are 272).
+    wide_alone = [(1, 4, 64), (5, 16, 16)]
+    assert "to 272" in hint(capture=256, schedule=wide_alone)
+    assert hint(capture=272, schedule=wide_alone) is None
     assert hint(mode="NONE") is None
     assert hint(device="cpu") is None
 
@@ -161,9 +171,16 @@ def test_token_budget_hint():
 
     message = hint(max_num_batched_tokens=1040)
     assert "schedule 800 tokens" in message
-    assert "at most 12 full trees" in message
+    assert "fewer than 16 full trees of 65 nodes" in message
+    assert "at most 12 of them" in message
     assert "max_num_batched_tokens to at least 1280" in message
     assert hint(max_num_batched_tokens=1280) is None
+    # A batch-size schedule: its widest batch (3 trees of 65 nodes; 16 of 5
+    # are 80 tokens) needs 195 + 240.
+    message = hint(max_num_batched_tokens=400, schedule=[(1, 3, 64), (4, 16, 4)])
+    assert "fewer than 3 full trees of 65 nodes" in message
+    assert "at least 435" in message
+    assert hint(max_num_batched_tokens=435, schedule=[(1, 3, 64), (4, 16, 4)]) is None
     # Off the GPU too: it is the scheduler's budget, not a kernel's.
     assert "at least 1280" in hint(device="cpu", max_num_batched_tokens=1000)
 

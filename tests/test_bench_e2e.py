@@ -5,6 +5,7 @@ are sized so that a grid split over several runs keeps one set of them."""
 
 from __future__ import annotations
 
+import argparse
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,8 @@ import pytest
 from benchmarks.bench_e2e import (
     DFLASH_DRAFTS,
     _engine_settings,
+    _schedule,
+    _speculative_config,
     _tokens_needed,
     acceptance_histogram,
     add_ratios,
@@ -112,3 +115,23 @@ def test_engine_settings_follow_the_target_config(config, hybrid, vision):
     settings = _engine_settings(args)
     assert ("mamba_ssm_cache_dtype" in settings) == hybrid
     assert settings.get("language_model_only", False) == vision
+
+
+def test_schedule_option_reaches_ddtree_engines_only():
+    """``--schedule`` becomes vLLM's batch-size schedule in DDTree's
+    speculative config (which the plugin accepts), not in stock DFlash's."""
+    from vllm_ddtree.config import parse_user_options
+
+    schedule = _schedule("1-1:64,2-8:16,9:4")
+    assert schedule == [[1, 1, 64], [2, 8, 16], [9, 9, 4]]
+    job = dict(
+        drafter="drafter", budget=64, fixed_budget=True, flash_context=False,
+        schedule=schedule,
+    )  # fmt: skip
+    config = _speculative_config({**job, "method": "ddtree-v2"})
+    assert config["num_speculative_tokens_per_batch_size"] == schedule
+    assert parse_user_options(config)["num_speculative_tokens_per_batch_size"]
+    dflash = _speculative_config({**job, "method": "dflash", "budget": DFLASH_DRAFTS})
+    assert "num_speculative_tokens_per_batch_size" not in dflash
+    with pytest.raises(argparse.ArgumentTypeError, match="FIRST-LAST:K"):
+        _schedule("1-8")

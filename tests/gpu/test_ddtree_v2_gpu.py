@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """DDTree on vLLM's V2 model runner (``ddtree.model_runner: "v2"``): greedy
 output equals V2 no-spec output, eager and with CUDA graphs, at batch 12 and
-1; a seeded T > 0 run equals seeded V2 no-spec token for token.
+1, with fixed budgets and with vLLM's batch-size schedule; a seeded T > 0 run
+equals seeded V2 no-spec token for token.
 
 Run on the device machine: ``python -m pytest tests/gpu -q``.
 """
@@ -17,6 +18,9 @@ from tests.utils import ddtree_config, make_llm, metric, shutdown_llm
 
 # The V1 engine tests' marks: GPU only.
 pytestmark = v1_engine_tests.pytestmark
+
+DRAFTS = "vllm:spec_decode_num_drafts"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -84,6 +88,36 @@ def test_v2_greedy_equals_v2_no_spec(fixtures, expected, enforce_eager, budget):
     # random fixture drafter's trees accept tokens (about one a step on the
     # CPU): the KV compaction and the depth positions ran.
     assert accepted > 0
+
+
+def _greedy_and_tree_size(llm: LLM, prompts) -> tuple[list[list[int]], float]:
+    """Greedy outputs of ``prompts`` and the mean size of the trees the run
+    verified."""
+    counters = (DRAFT_TOKENS, DRAFTS)
+    before = [metric(llm, name) or 0 for name in counters]
+    outputs = _generate(llm, GREEDY, prompts)
+    tokens, drafts = (
+        metric(llm, name) - start for name, start in zip(counters, before, strict=True)
+    )
+    return outputs, tokens / drafts
+
+
+def test_v2_batch_size_schedule(fixtures, expected):
+    """vLLM's batch-size schedule on V2 (full CUDA graphs for every draft
+    length): a lone request verifies its whole 64-node tree, 2 or more
+    requests the first 8 nodes of theirs (a tree: nodes come best-first)."""
+    spec = ddtree_config(fixtures.dense_drafter, 64, model_runner="v2")
+    spec["num_speculative_tokens_per_batch_size"] = [(1, 1, 64), (2, 16, 8)]
+    llm = _engine(fixtures.dense_target, False, spec)
+    try:
+        alone, wide = _greedy_and_tree_size(llm, PROMPTS[:1])
+        batched, narrow = _greedy_and_tree_size(llm, PROMPTS)
+    finally:
+        shutdown_llm(llm)
+    assert alone == expected["greedy"][:1]
+    assert batched == expected["greedy"]
+    # Requests that finish first leave the last ones alone, with whole trees.
+    assert wide == 64 and narrow < 16, (wide, narrow)
 
 
 def test_v2_seeded_samples_equal_v2_no_spec(fixtures, expected):

