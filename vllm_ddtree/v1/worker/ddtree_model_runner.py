@@ -496,8 +496,7 @@ class DDTreeModelRunnerMixin:
             f"CUDA graphs (compilation_config.max_cudagraph_capture_size); a "
             f"full batch of full trees is {full_batch} tokens (running requests "
             f"x tree nodes, at most the scheduler's max_num_scheduled_tokens): "
-            f"set "
-            f"max_cudagraph_capture_size to {full_batch} to capture it"
+            f"set max_cudagraph_capture_size to {full_batch} to capture it"
         )
 
     def token_budget_hint(self) -> str | None:
