@@ -47,6 +47,8 @@
 #                                        # parity check against the reference (~9 min)
 #   bash scripts/h200_check.sh e2e-async  # no-spec / DFlash / DDTree B=64 on the pair, all
 #                                         # async-scheduled, a table of its own (~9 min)
+#   bash scripts/h200_check.sh e2e-async-v2  # + DDTree B=64 on the V2 runner, same table
+#                                            # (E2E_SCHEDULE: trees sized by batch size)
 # (train and e2e, e2e-8b and its -flash / -v1 additions run back to back: /tmp survives
 # only while the machine stays warm.)
 # Every engine runs in a process of its own (in-process engines neither free
@@ -55,7 +57,7 @@
 # most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-8b-async-v2|e2e-hybrid|e2e-qwen35|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async}
+mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-8b-async-v2|e2e-hybrid|e2e-qwen35|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async|e2e-async-v2}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -386,6 +388,12 @@ e2e-async)
   # The pair under vLLM's async scheduling (host work overlaps the GPU's),
   # every method: DDTree with fixed budgets; a table of its own.
   e2e_pair 560 e2e-h200-async nospec,dflash,ddtree 64 --async-scheduling --fixed-budget
+  ;;
+e2e-async-v2)
+  # The same table, DDTree on the V2 runner (E2E_METHODS, default ddtree-v2);
+  # E2E_SCHEDULE (e.g. 1-1:64,2-1024:15) sizes its trees by batch size.
+  e2e_pair 560 e2e-h200-async "${E2E_METHODS:-ddtree-v2}" 64 --async-scheduling \
+    --fixed-budget ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"}
   ;;
 caches)
   # Triton loads a cached kernel from its metadata and binary; the
