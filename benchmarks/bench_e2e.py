@@ -19,7 +19,11 @@ per (method, budget, batch, temperature):
 Results accumulate in ``OUT/rows/*.json`` (one file per engine), so a sweep can
 be split over several time-limited calls; each call rewrites
 ``OUT/results.json``, ``OUT/table.md`` and, if matplotlib is installed, the
-plots ``OUT/speedup_vs_budget.png`` and ``OUT/acceptance_hist.png``.
+plots ``OUT/speedup_vs_budget.png`` and ``OUT/acceptance_hist.png``. Adaptive
+DDTree engines also yield ``OUT/schedules.json``: per engine and temperature,
+the tree size the adaptive budget chose at each batch size as vLLM's
+``num_speculative_tokens_per_batch_size``, for engines that cannot choose
+per step (async scheduling, the V2 runner).
 
 Trained pair (default: the committed tiny pair; prompts from held-out files)::
 
@@ -408,6 +412,36 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     return written
 
 
+def batch_schedule(tree_sizes: dict[int, float]) -> list[list[int]]:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` from the mean tree
+    sizes adaptive budgets chose at some batch sizes: each measured size,
+    rounded, holds from its batch size up to the next measured one (the
+    first from batch size 1; vLLM carries the last one forward); equal
+    neighbours merge."""
+    sizes = sorted(tree_sizes)
+    schedule: list[list[int]] = []
+    for i, batch in enumerate(sizes):
+        nodes = max(1, round(tree_sizes[batch]))
+        last = sizes[i + 1] - 1 if i + 1 < len(sizes) else batch
+        if schedule and schedule[-1][2] == nodes:
+            schedule[-1][1] = last
+        else:
+            schedule.append([1 if not schedule else batch, last, nodes])
+    return schedule
+
+
+def batch_schedules(rows: list[dict]) -> dict[str, list[list[int]]]:
+    """A batch-size schedule per adaptive DDTree engine and temperature of
+    the run (:func:`batch_schedule`): what an asynchronously scheduled engine
+    (or the V2 runner), which cannot size trees per step, can use instead."""
+    sizes: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if _base_method(r["method"]) == "ddtree" and r.get("adaptive_budget"):
+            name = f"{r['method']} B={r['budget']} T={r['temperature']:g}"
+            sizes.setdefault(name, {})[r["batch"]] = r["nodes_per_draft"]
+    return {name: batch_schedule(points) for name, points in sizes.items()}
+
+
 def report(out: Path) -> list[dict]:
     rows: list[dict] = []
     meta: dict = {}
@@ -422,6 +456,14 @@ def report(out: Path) -> list[dict]:
     text = table(rows)
     (out / "table.md").write_text(text)
     print(text, flush=True)
+    if schedules := batch_schedules(rows):
+        (out / "schedules.json").write_text(json.dumps(schedules, indent=2) + "\n")
+        for name, schedule in schedules.items():
+            print(
+                f"[bench_e2e] {name}: num_speculative_tokens_per_batch_size "
+                f"{json.dumps(schedule)}",
+                flush=True,
+            )
     for path in plots(rows, out):
         print(f"[bench_e2e] wrote {path}", flush=True)
     return rows

@@ -18,6 +18,8 @@ from benchmarks.bench_e2e import (
     _tokens_needed,
     acceptance_histogram,
     add_ratios,
+    batch_schedule,
+    batch_schedules,
     table,
 )
 from vllm_ddtree.fixtures import TRAINED_TINY_DIR
@@ -135,3 +137,27 @@ def test_schedule_option_reaches_ddtree_engines_only():
     assert "num_speculative_tokens_per_batch_size" not in dflash
     with pytest.raises(argparse.ArgumentTypeError, match="FIRST-LAST:K"):
         _schedule("1-8")
+
+
+def test_batch_schedule_from_adaptive_tree_sizes():
+    """Mean tree sizes the adaptive budget chose at batch 1 / 4 / 16 / 64
+    become ranges vLLM's schedule lookup reads back at every batch size."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    schedule = batch_schedule({1: 60.4, 4: 31.6, 16: 31.9, 64: 7.2})
+    assert schedule == [[1, 3, 60], [4, 63, 32], [64, 64, 7]]
+    lookup = build_dynamic_sd_schedule_lookup(schedule, 128, 64)
+    assert [lookup[n] for n in (1, 3, 4, 63, 64, 128)] == [60, 60, 32, 32, 7, 7]
+    # Measured from batch 4 only: batch sizes 1-3 take its size too (vLLM
+    # would turn speculation off below a schedule's first range).
+    assert batch_schedule({4: 0.2, 8: 3.0}) == [[1, 7, 1], [8, 8, 3]]
+
+
+def test_batch_schedules_come_from_adaptive_ddtree_rows():
+    rows = [
+        _row("ddtree", 90.0, 64, batch=1, nodes_per_draft=40.2),
+        _row("ddtree", 900.0, 64, batch=16, nodes_per_draft=9.6),
+        _row("ddtree", 80.0, 16, batch=1, nodes_per_draft=16.0, adaptive_budget=False),
+        _row("dflash", 70.0, DFLASH_DRAFTS, nodes_per_draft=15.0),
+    ]
+    assert batch_schedules(rows) == {"ddtree B=64 T=0": [[1, 15, 40], [16, 16, 10]]}
