@@ -143,6 +143,8 @@ e2e_report() {  # NAME: rebuild /tmp/NAME's table from its finished engines into
   python3 benchmarks/bench_e2e.py --out "/tmp/$1" --report-only >/dev/null
   cp "/tmp/$1/results.json" "$out/$1.json"
   cp "/tmp/$1/table.md" "$out/$1.md"
+  # Adaptive DDTree rows' tree sizes per batch size, as a batch-size schedule.
+  if [ -f "/tmp/$1/schedules.json" ]; then cp "/tmp/$1/schedules.json" "$out/$1-schedules.json"; fi
 }
 
 # TABLE CONFIG [ARGS...]: no-spec / DFlash / DDTree B=64 (fixed) step costs of
