@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm import LLM
 
 from tests.oracle_drafter import Oracle
 from tests.test_ddtree_hybrid import no_spec_reference, oracle_tree_run
@@ -127,21 +128,29 @@ def models(fixtures, tmp_path_factory) -> tuple[Path, Path]:
     return target, drafter
 
 
-def qwen35_reference(target: Path, **engine_args) -> list[list[int]]:
-    """No-spec greedy outputs, each cut before its first near-tie."""
+def qwen35_engine(target: Path, **engine_args) -> LLM:
+    """A no-spec engine of the Qwen3.5 target (on M-RoPE positions)."""
     llm = make_llm(target, skip_tokenizer_init=True, **ENGINE_ARGS, **engine_args)
     assert llm.llm_engine.vllm_config.model_config.uses_mrope
+    return llm
+
+
+def qwen35_reference(llm: LLM) -> list[list[int]]:
+    """No-spec greedy outputs of :func:`qwen35_engine`'s engine, each cut
+    before its first near-tie."""
     # A random model meets bf16 near-ties often: 30% of the tokens come
     # before each output's first one on an AMX CPU (the comparison's
     # substance; the bound leaves room for other CPUs' rounding).
-    out = no_spec_reference(llm, _prompts(), min_fraction=0.2)
-    shutdown_llm(llm)
-    return out
+    return no_spec_reference(llm, _prompts(), min_fraction=0.2)
 
 
 @pytest.fixture(scope="module")
 def reference(models) -> list[list[int]]:
-    return qwen35_reference(models[0])
+    llm = qwen35_engine(models[0])
+    try:
+        return qwen35_reference(llm)
+    finally:
+        shutdown_llm(llm)
 
 
 def _ddtree_run(models, reference, batches, rank_weights, **engine_args):

@@ -21,6 +21,7 @@ from tests.test_ddtree_qwen35 import (  # noqa: F401
     RANKS,
     _prompts,
     models,
+    qwen35_engine,
     qwen35_reference,
 )
 from tests.utils import ddtree_config, make_llm, metric, shutdown_llm
@@ -43,10 +44,12 @@ def reference(models):  # noqa: F811
     """No-spec outputs cut before their first near-tie, and every output
     position's top-3 log-probabilities."""
     prompts = _prompts()
-    cut = qwen35_reference(models[0], **GPU_ARGS)
-    llm = make_llm(models[0], skip_tokenizer_init=True, **ENGINE_ARGS, **GPU_ARGS)
-    top = [top for _, top in _greedy_top3(llm, prompts, len(prompts))]
-    shutdown_llm(llm)
+    llm = qwen35_engine(models[0], **GPU_ARGS)
+    try:
+        cut = qwen35_reference(llm)
+        top = [top for _, top in _greedy_top3(llm, prompts, len(prompts))]
+    finally:
+        shutdown_llm(llm)
     return cut, top
 
 
