@@ -150,7 +150,9 @@ e2e_report() {  # NAME: rebuild /tmp/NAME's table from its finished engines into
 # TABLE CONFIG [ARGS...]: no-spec / DFlash / DDTree B=64 (fixed) step costs of
 # benchmarks/configs/CONFIG with dummy weights, into $OUT/TABLE.{json,md}.
 # E2E_LIMIT: seconds for the whole table (when it shares a call); the engines
-# that finished are reported either way. E2E_BATCHES=1 for batch 1 only.
+# that finished are reported either way. E2E_BATCHES=1 for batch 1 only;
+# E2E_METHODS narrows the rows (a fresh machine's hybrid engines take ~90 s
+# each to start, so three of them barely fit one call).
 e2e_dummy() {
   step "$1" "${E2E_LIMIT:-590}" python3 benchmarks/bench_e2e.py --out "/tmp/$1" \
     --target "benchmarks/configs/$2" --drafter "benchmarks/configs/$2-dflash" \
