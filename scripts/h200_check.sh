@@ -156,7 +156,7 @@ e2e_report() {  # NAME: rebuild /tmp/NAME's table from its finished engines into
 e2e_dummy() {
   step "$1" "${E2E_LIMIT:-590}" python3 benchmarks/bench_e2e.py --out "/tmp/$1" \
     --target "benchmarks/configs/$2" --drafter "benchmarks/configs/$2-dflash" \
-    --load-format dummy --methods nospec,dflash,ddtree --budgets 64 --fixed-budget \
+    --load-format dummy --methods "${E2E_METHODS:-nospec,dflash,ddtree}" --budgets 64 --fixed-budget \
     --batch-sizes "${E2E_BATCHES:-1,16}" --temperatures 0 --prompt-len 768 \
     --max-tokens 64 --job-timeout 300 "${@:3}"
   e2e_report "$1"
