@@ -72,6 +72,9 @@ BUILD_CASES: dict[str, tuple[int, int, int, int, bool, bool, int]] = {
     "build-ties-spine": (4, 6, 6, 24, True, True, 4),
     "build-narrow-vocab": (2, 15, 5, 64, False, False, 5),
     "build-b64": (2, 15, 64, 64, False, False, 6),
+    # The non-spine pair table's cross-depth bound (a child never passes its
+    # parent) where keys tie across depths: log-probabilities of 0 included.
+    "build-b64-ties": (3, 15, 64, 64, False, True, 9),
     "build-b64-spine": (2, 15, 64, 64, True, False, 7),
     "build-b128": (1, 15, 128, 128, True, False, 8),
 }
@@ -79,7 +82,7 @@ BUILD_CASES: dict[str, tuple[int, int, int, int, bool, bool, int]] = {
 
 def random_topk(num_reqs: int, depths: int, k: int, ties: bool, seed: int):
     """Sorted per-depth top-k log-probabilities (optionally coarse, so that
-    many sums tie exactly) and distinct token ids."""
+    many sums tie exactly, within and across depths) and distinct token ids."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_reqs, depths, 4 * k + 8, generator=g) * 2
     if ties:
@@ -88,6 +91,10 @@ def random_topk(num_reqs: int, depths: int, k: int, ties: bool, seed: int):
     if ties:
         logprobs = (logprobs * 4).round() / 4  # exact in float32
     values, tokens = logprobs.topk(k, dim=-1)
+    if ties:
+        # Every third depth's best token is certain: its children's keys
+        # equal their parents' exactly.
+        values[:, ::3, 0] = 0.0
     return values, tokens
 
 

@@ -224,14 +224,23 @@ _PAIR_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 def _pair_table(budget: int, width: int, force_spine: bool, device) -> torch.Tensor:
-    """``[2, P]`` int32 (parent slot, token rank) pairs that can reach the top
-    ``budget`` of a depth, padded with parent slot ``budget`` (never valid).
+    """``[2, P]`` int32 (parent slot, token rank) pairs that can reach the
+    final tree, padded with parent slot ``budget`` (never valid).
 
     Parents and ranks are both sorted by key, so candidate ``(i, j)`` comes
-    after the ``(i + 1) * (j + 1)`` candidates ``(i' <= i, j' <= j)`` (ties go
-    to the smaller index in the stable order). With ``force_spine`` the spine
-    parent (slot 0) only dominates through its rank-0 child, which leaves
-    ``i * (j + 1) + 1`` for ``i >= 1``.
+    after the ``(i + 1) * (j + 1) - 1`` other candidates ``(i' <= i, j' <= j)``
+    of its depth (ties go to the smaller index in the stable order). Below
+    depth 1 it also comes after its parent and the parent's ``i`` seniors
+    (log-probabilities are <= 0, so a child's key never passes its
+    parent's, and ties go to the earlier depth), so it can only be one of
+    the ``budget`` nodes if ``(i + 1) * (j + 2) <= budget``; depth 1 keeps
+    every rank of the root. The pairs of the bound are a superset of the
+    final tree's, closed under smaller ``i`` and ``j``; at ``budget = 64``
+    they are 217 instead of the 280 of the per-depth bound, which halves
+    the sort (256 slots instead of 512). With ``force_spine`` the spine
+    parent (slot 0) only dominates through its rank-0 child, so only the
+    per-depth bound holds: ``i * (j + 1) + 1 <= budget`` for ``i >= 1``
+    (and ``j < width <= budget`` admits every rank of slot 0 either way).
     """
     key = (budget, width, force_spine, device)
     table = _PAIR_TABLES.get(key)
@@ -240,7 +249,8 @@ def _pair_table(budget: int, width: int, force_spine: bool, device) -> torch.Ten
             (i, j)
             for i in range(budget)
             for j in range(width)
-            if ((i * (j + 1) + 1) if force_spine and i else (i + 1) * (j + 1)) <= budget
+            if i == 0
+            or (i * (j + 1) + 1 if force_spine else (i + 1) * (j + 2)) <= budget
         ]
         size = triton.next_power_of_2(len(pairs))
         pairs += [(budget, 0)] * (size - len(pairs))
@@ -339,9 +349,10 @@ def _build_kernel(
     offset_prev = tl.full((), 0, tl.int32)
     offset = tl.full((), 0, tl.int32)
     for d in range(depth_limit):
-        count = tl.minimum(budget, count_prev * width)
-        # Candidates (parent slot i, token rank j), keyed like the torch build.
+        # Candidates (parent slot i, token rank j), keyed like the torch build;
+        # the depth keeps the best ``budget`` of those the pair table lets in.
         ok = (pair_i < count_prev) & (pair_j < width)
+        count = tl.minimum(budget, tl.sum(ok.to(tl.int32), axis=0))
         key = _child_keys(
             LOGPROBS + r * stride_lr + d * stride_ld,
             scr_key + offset_prev,
