@@ -20,6 +20,7 @@
 #   bash scripts/h200_check.sh verify-costs # GDN kernel tests, the GDN share of a
 #                                      # verify step (~6 min)
 #   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits, tree-pass tiles, at engine shapes, + FA3 (~4 min)
+#   bash scripts/h200_check.sh cores   # tree cores: GPU test (== torch cores), device times (~2 min)
 #   bash scripts/h200_check.sh shapes  # tree attention at the engine's shapes (chosen tiles), + FA3 (~2 min)
 #   bash scripts/h200_check.sh caches  # pack the compile / autotune caches into $OUT (see below)
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
@@ -57,7 +58,7 @@
 # most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-8b-async-v2|e2e-hybrid|e2e-qwen35|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async|e2e-async-v2}
+mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|cores|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-8b-async-v2|e2e-hybrid|e2e-qwen35|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async|e2e-async-v2}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -311,6 +312,10 @@ verify-costs)
 sweep)
   step tile-sweep 240 python3 benchmarks/bench_tree_attention.py --sweep --no-sdpa \
     --batches 1,4,16 --contexts 1024,4096 --trees 17,65 --out "$out/tile_sweep.json"
+  ;;
+cores)
+  step cores-test 150 python3 -m pytest -q -rf tests/gpu/test_tree_cores_gpu.py
+  step tree-cores 90 python3 benchmarks/bench_tree_cores.py --out "$out/tree_cores.json"
   ;;
 shapes)
   step engine-shapes 150 python3 benchmarks/bench_tree_attention.py --no-sdpa \
