@@ -315,7 +315,8 @@ sweep)
   ;;
 cores)
   step cores-test 150 python3 -m pytest -q -rf tests/gpu/test_tree_cores_gpu.py
-  step tree-cores 90 python3 benchmarks/bench_tree_cores.py --out "$out/tree_cores.json"
+  step tree-cores 120 python3 benchmarks/bench_tree_cores.py --build-warps 2,4,8,16 \
+    --out "$out/tree_cores.json"
   ;;
 shapes)
   step engine-shapes 150 python3 benchmarks/bench_tree_attention.py --no-sdpa \
