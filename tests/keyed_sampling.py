@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 from unittest.mock import patch
 
 import torch
@@ -77,22 +78,33 @@ def noisy_scores(
     return ids, lp / temperature - torch.log(-torch.log(u[0, ids]))
 
 
+class SampledReference(NamedTuple):
+    """Keyed no-spec samples (see :func:`sampled_reference`)."""
+
+    whole: list[list[int]]
+    cut: list[list[int]]
+    # Per token: the gap between the two best noisy scores, times T (in
+    # log-probability units, like :data:`TIE`).
+    gaps: list[list[float]]
+
+
 def sampled_reference(
     llm: LLM,
     prompts: Sequence[list[int]],
     params: Sequence[SamplingParams],
     min_fraction: float,
-) -> tuple[list[list[int]], list[list[int]]]:
+) -> SampledReference:
     """Keyed no-spec samples of ``llm`` (made inside
-    :func:`keyed_no_spec_sampling`, ``max_logprobs=-1``): whole, and each cut
-    before the
-    first token whose two best noisy scores are within :data:`TIE` / T
-    (there a batched verify may round the other way; past it the
-    continuations are different but equally valid samples).
+    :func:`keyed_no_spec_sampling`, ``max_logprobs=-1``): whole, each cut
+    before the first token whose two best noisy scores are within
+    :data:`TIE` / T (there a batched verify may round the other way; past it
+    the continuations are different but equally valid samples), and every
+    token's gap.
 
-    Every kept token must be the best noisy score's: a check that the
-    engine really drew keyed samples. Ties must stay rare, or the comparison
-    would prove little: at least ``min_fraction`` of the tokens are kept.
+    Every token off a near-tie must be the best noisy score's: a check that
+    the engine really drew keyed samples. Ties must stay rare, or the
+    comparison would prove little: at least ``min_fraction`` of the tokens
+    are kept.
     """
     full = [p.clone() for p in params]
     for p in full:
@@ -100,22 +112,23 @@ def sampled_reference(
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], full, use_tqdm=False
     )
-    whole, cut = [], []
+    ref = SampledReference([], [], [])
     for prompt, p, out in zip(prompts, params, outputs, strict=True):
         ids = list(out.outputs[0].token_ids)
-        whole.append(ids)
-        keep = len(ids)
+        gaps = []
         for i, logprobs in enumerate(out.outputs[0].logprobs):
             tokens, scores = noisy_scores(
                 logprobs, p.seed, len(prompt) + i - 1, p.temperature
             )
             best = scores.topk(2)
             # A logprob's rounding error is scaled by 1 / T in the scores.
-            if float(best.values[0] - best.values[1]) < TIE / p.temperature:
-                keep = i
-                break
-            assert tokens[best.indices[0]] == ids[i], "no-spec did not sample keyed"
-        cut.append(ids[:keep])
-    kept, total = sum(map(len, cut)), sum(map(len, whole))
+            gaps.append(float(best.values[0] - best.values[1]) * p.temperature)
+            if gaps[-1] >= TIE:
+                assert tokens[best.indices[0]] == ids[i], "no-spec did not sample keyed"
+        keep = next((i for i, gap in enumerate(gaps) if gap < TIE), len(ids))
+        ref.whole.append(ids)
+        ref.cut.append(ids[:keep])
+        ref.gaps.append(gaps)
+    kept, total = sum(map(len, ref.cut)), sum(map(len, ref.whole))
     assert kept > min_fraction * total, (kept, total)
-    return whole, cut
+    return ref

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from vllm import LLM, SamplingParams
 
 from tests.keyed_sampling import (
+    SampledReference,
     keyed_no_spec_sampling,
     sampled_reference,
     seeded_params,
@@ -37,13 +38,26 @@ from tests.utils import (
     metric,
     shutdown_llm,
 )
-from vllm_ddtree.greedy_ties import TIE, top2_gaps
+from vllm_ddtree.greedy_ties import (
+    TIE,
+    diverges_off_tie,
+    first_divergence,
+    top2_gaps,
+)
 
 pytestmark = pytest.mark.slow
 
 GDN_GAIN = 3.0
 NUM_PROMPTS = 12
 SAMPLED_PROMPTS = 36
+# Near-tie bound of the seeded samples' noisy scores, wider than the greedy
+# TIE: on an AVX-512 BF16 EPYC (2026-12-06) no-spec itself moved the top two
+# scores of prompt 30, token 6 by 0.36 between its decode path (one token a
+# step: 240 ahead by 0.25) and its prefill path (the six tokens before it in
+# one forward: 243 ahead by 0.11), and DDTree's batched verify took 243 like
+# the prefill. The amplified GDN outputs (GDN_GAIN) scale up the rounding
+# difference of the chunked and the recurrent GDN paths.
+SAMPLED_TIE = 2 * TIE
 MAX_TOKENS = 40
 # The token budget left after the drafter's slots (256 - 8 x 14) chunks the
 # 150-token prompt and cuts large trees to a prefix of their nodes.
@@ -212,10 +226,10 @@ def test_hybrid_greedy_equals_no_spec_with_async_scheduling(
 
 
 @pytest.fixture(scope="module")
-def sampled(target) -> tuple[list[list[int]], list[list[int]]]:
+def sampled(target) -> SampledReference:
     """Seeded samples at T = 1 without speculation, keyed as DDTree keys
-    them (tests/keyed_sampling.py): whole, and cut before near-ties. At
-    T = 1 on this model a near-tie comes every 5-10 tokens, so there are
+    them (tests/keyed_sampling.py): whole, cut before near-ties, and every
+    token's gap. At T = 1 on this model a near-tie comes every 5-10 tokens, so there are
     more prompts than for the greedy tests. (The DDTree engine chunks the
     long prompt: vLLM would rewind its generator there, which a CPU
     generator refuses; DDTree's runner skips that rewind.)"""
@@ -230,16 +244,28 @@ def sampled(target) -> tuple[list[list[int]], list[list[int]]]:
 
 def test_hybrid_seeded_sampling_equals_no_spec(fixtures, target, sampled):
     """At T = 1 a seeded DDTree request draws, token for token, the keyed
-    no-spec samples: every tree node's state is exact, not only the greedy
-    path's. The oracle follows the sampled sequences, so trees accept deep
-    paths."""
-    whole, cut = sampled
+    no-spec samples until, at most, a near-tie (``SAMPLED_TIE``): every tree
+    node's state is exact, not only the greedy path's. The oracle follows
+    the sampled sequences, so trees accept deep paths."""
     results, tau = _ddtree_run(
-        fixtures, target, whole, 8, ((8, SAMPLED_PROMPTS), (1, 3)), temperature=1.0
+        fixtures,
+        target,
+        sampled.whole,
+        8,
+        ((8, SAMPLED_PROMPTS), (1, 3)),
+        temperature=1.0,
     )
     for batch, got in results.items():
-        for i, (want, have) in enumerate(zip(cut, got, strict=False)):
-            assert have[: len(want)] == want, f"prompt {i} differs at batch {batch}"
+        compared = 0
+        for i, (want, gaps, have) in enumerate(
+            zip(sampled.whole, sampled.gaps, got, strict=False)
+        ):
+            d = diverges_off_tie(want, gaps, have, SAMPLED_TIE)
+            assert d is None, f"prompt {i}, token {d} differs at batch {batch}"
+            compared += first_divergence(want, have) or len(want)
+        # Divergences at near-ties end a comparison: most tokens must remain.
+        total = sum(map(len, sampled.whole[: len(got)]))
+        assert compared > total / 2, (compared, total)
     print(f"\n[hybrid T=1 B=8] tau {tau:.2f}")
     assert tau > 2.0, tau
 
@@ -255,7 +281,9 @@ def test_control_without_commit_diverges(
     monkeypatch.setattr(
         ddtree_model_runner, "commit_gdn_layers", lambda layers: lambda *a: None
     )
-    oracle, want = (reference, reference) if temperature == 0 else sampled
+    oracle, want = (
+        (reference, reference) if temperature == 0 else (sampled.whole, sampled.cut)
+    )
     results, _ = _ddtree_run(
         fixtures, target, oracle, 8, ((8, len(want)),), temperature=temperature
     )

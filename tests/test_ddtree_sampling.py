@@ -114,7 +114,7 @@ def test_seeded_samples_equal_keyed_no_spec(fixtures):
     params = seeded_params(len(prompts), 1.0, 32)
     with keyed_no_spec_sampling():
         llm = make_llm(fixtures.dense_target, max_logprobs=-1, max_num_seqs=8)
-        whole, cut = sampled_reference(llm, prompts, params, min_fraction=0.1)
+        whole, cut, _ = sampled_reference(llm, prompts, params, min_fraction=0.1)
         shutdown_llm(llm)
     oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, whole, strict=True)})
     with oracle_drafter(oracle):
