@@ -194,6 +194,17 @@ def _worker_compile_variants() -> None:
     except Exception as exc:
         res = {"error": repr(exc)}
     print_case("compile-variants", res)
+    # Last: a read past the table would crash the worker (a segfault under
+    # the interpreter, an illegal address on a GPU).
+    try:
+        # A one-block table whose row is followed by block ids no cache has
+        # (a hybrid model's long pages at max_num_seqs=1, on a GPU).
+        table = torch.tensor([[0, 1 << 20, 1 << 20]], dtype=torch.int32)[:, :1]
+        ran = attention_variants(cache, cache, table, 4, max_nodes=8)
+        res = {"attention_variants": sorted(ran)}
+    except Exception as exc:
+        res = {"error": repr(exc)}
+    print_case("compile-variants-one-block", res)
 
 
 interp_results = interpreter_fixture(__file__, timeout=600)
@@ -223,6 +234,12 @@ def test_compile_variants_interpreted(interp_results):
     # (node tile, depth tile): trees (depth 15) in both node tiles, and rows
     # verified as chains, whose depth bound is their width - 1 (up to 64).
     assert rec["walk_variants"] == [[64, 16], [64, 32], [64, 64], [128, 16], [128, 128]]
+
+
+def test_compile_variants_one_block_interpreted(interp_results):
+    """The warm-up's context and tree fit a block table of one block."""
+    rec = interpreted_case(interp_results, "compile-variants-one-block")
+    assert rec["attention_variants"] == [[16, False], [16, True]]
 
 
 def test_tie_heavy_inputs_tie():

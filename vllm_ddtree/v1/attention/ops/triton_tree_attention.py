@@ -717,7 +717,11 @@ def compile_variants(
     to ``max_nodes`` nodes can select (one per query-tile size, with and
     without split-KV), so that Triton compiles them at start-up instead of
     in the middle of serving. The caches and ``block_table`` (``[1, W]``, any
-    valid block ids) are the engine's; nothing in them is written.
+    valid block ids) are the engine's; nothing in them is written. The
+    context and the tree stay inside the table's ``W`` blocks: a hybrid
+    model's attention pages can hold most of a request (a dummy
+    Qwen3.5-9B-like engine with ``max_num_seqs=1`` has a two-block table),
+    and positions past them would read block ids from beyond the table.
 
     Returns the ``(BLOCK_M, split)`` variants it ran.
     """
@@ -731,9 +735,11 @@ def compile_variants(
         first_with_tile.setdefault(block_m, nodes)
     ran = []
     page = key_cache.shape[1]
+    capacity = block_table.shape[1] * page
     as_i32 = dict(dtype=torch.int32, device=device)
     for block_m, nodes in sorted(first_with_tile.items()):
         query = torch.zeros(nodes, num_q_heads, head_dim, dtype=dtype, device=device)
+        ctx_len = max(0, min(2 * page, capacity - nodes))
         for num_splits in (1, 2):
             tree_attention(
                 query,
@@ -743,7 +749,7 @@ def compile_variants(
                 block_table,
                 torch.zeros(1, **as_i32),
                 torch.full((1,), nodes, **as_i32),
-                torch.full((1,), 2 * page, **as_i32),
+                torch.full((1,), ctx_len, **as_i32),
                 torch.zeros(1, **as_i32),
                 torch.full((nodes, triton.cdiv(nodes, 32)), -1, **as_i32),
                 1.0,
