@@ -309,25 +309,23 @@ def _pc_round1() -> list[list[int]]:
     ]
 
 
-def _pc_rounds(llm: LLM, round1_out: list[list[int]] | None):
-    """Round 1 (or its given outputs), then round 2; outputs and round 2's
-    prefix-cache hits."""
-    first = _pc_round1()
-    if round1_out is None:
-        round1_out = _generate(llm, first, len(first), PC_ROUND1_TOKENS)
-    second = [
-        p + o[:PC_EXTEND] + [9, 10] for p, o in zip(first, round1_out, strict=True)
+def _pc_second(round1_out: list[list[int]]) -> list[list[int]]:
+    """Round 2's prompts: round 1's sequences, extended."""
+    return [
+        p + o[:PC_EXTEND] + [9, 10]
+        for p, o in zip(_pc_round1(), round1_out, strict=True)
     ]
-    hits = metric(llm, "vllm:prefix_cache_hits")
-    round2_out = _generate(llm, second, len(second), 30)
-    return round1_out, second, round2_out, metric(llm, "vllm:prefix_cache_hits") - hits
 
 
 EngineFactory = Callable[..., LLM]  # (speculative_config=None) -> engine
 
 
 def prefix_caching_check(
-    fixtures, make: EngineFactory, monkeypatch, round1_min_fraction: float = 0.3
+    fixtures,
+    make: EngineFactory,
+    monkeypatch,
+    round1_min_fraction: float = 0.3,
+    decode_hits: bool = True,
 ) -> None:
     """States a tree step wrote at a block boundary serve later prefix hits
     (``make`` builds an engine with prefix caching on, given a speculative
@@ -341,7 +339,10 @@ def prefix_caching_check(
     runner must have written some (in-process engines only).
     ``round1_min_fraction``: the share of round 1's no-spec tokens that must
     come before each output's first near-tie (the comparison's substance;
-    38% on an AMX CPU, 2026-12-05)."""
+    38% on an AMX CPU, 2026-12-05). ``decode_hits``: round 2 must hit past
+    the prompt's last full block; under async scheduling it hits only the
+    prefill's states so far (docs/limitations.md), and that is all it
+    asks there."""
     from vllm_ddtree.v1.worker import ddtree_model_runner
 
     make_commit = ddtree_model_runner.commit_gdn_layers
@@ -358,17 +359,16 @@ def prefix_caching_check(
         return counting
 
     monkeypatch.setattr(ddtree_model_runner, "commit_gdn_layers", counting_commits)
+    prompts = _pc_round1()
     llm = make()
-    round1, second, _, _ = _pc_rounds(llm, None)
+    round1 = _generate(llm, prompts, len(prompts), PC_ROUND1_TOKENS)
     assert min(map(len, round1)) >= PC_EXTEND
     # Long outputs meet more near-ties; round 1 is compared up to them.
     cut1 = no_spec_reference(
-        llm, _pc_round1(), PC_ROUND1_TOKENS, min_fraction=round1_min_fraction
+        llm, prompts, PC_ROUND1_TOKENS, min_fraction=round1_min_fraction
     )
-    cut2 = no_spec_reference(llm, second, 30)
     shutdown_llm(llm)
 
-    prompts = _pc_round1()
     oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, round1, strict=True)})
     with oracle_drafter(oracle):
         llm = make(ddtree_config(fixtures.hybrid_drafter, 8))
@@ -378,13 +378,24 @@ def prefix_caching_check(
         block = cache_config.block_size
         prefill_hits = len(prompts[0]) // block * block
         got1 = _generate(llm, prompts, len(prompts), PC_ROUND1_TOKENS)
-        # Round 2 continues the no-spec sequences (the oracle knows them).
-        _, _, got2, hits = _pc_rounds(llm, round1)
+        # Round 2 extends DDTree's own round 1, whose blocks it cached: past
+        # a near-tie where it took the runner-up, no-spec's sequence would
+        # miss them (a GPU run hit 336 tokens of 4 x 144+, 2026-12-06).
+        second = _pc_second(got1)
+        hits = metric(llm, "vllm:prefix_cache_hits")
+        got2 = _generate(llm, second, len(second), 30)
+        hits = metric(llm, "vllm:prefix_cache_hits") - hits
         shutdown_llm(llm)
+    llm = make()
+    cut2 = no_spec_reference(llm, second, 30)
+    shutdown_llm(llm)
     for name, cut, got in (("round 1", cut1, got1), ("round 2", cut2, got2)):
         for i, (want, have) in enumerate(zip(cut, got, strict=True)):
             assert have[: len(want)] == want, f"{name}, prompt {i} differs"
-    assert hits > prefill_hits * PC_PROMPTS, (hits, block)
+    if decode_hits:
+        assert hits > prefill_hits * PC_PROMPTS, (hits, block)
+    else:
+        assert hits >= prefill_hits * PC_PROMPTS, (hits, block)
     assert sum(boundary_copies) >= PC_PROMPTS, boundary_copies
 
 
@@ -402,7 +413,9 @@ def test_hybrid_prefix_caching_greedy_equals_no_spec(
         )
 
     with cpu_async_scheduling():
-        prefix_caching_check(fixtures, make, monkeypatch)
+        prefix_caching_check(
+            fixtures, make, monkeypatch, decode_hits=scheduling == "sync"
+        )
 
 
 def test_mamba_cache_mode_all_is_refused(fixtures, target):
