@@ -229,8 +229,8 @@ def test_hybrid_greedy_equals_no_spec_with_async_scheduling(
 def sampled(target) -> SampledReference:
     """Seeded samples at T = 1 without speculation, keyed as DDTree keys
     them (tests/keyed_sampling.py): whole, cut before near-ties, and every
-    token's gap. At T = 1 on this model a near-tie comes every 5-10 tokens, so there are
-    more prompts than for the greedy tests. (The DDTree engine chunks the
+    token's gap. At T = 1 on this model a near-tie comes every 5-10 tokens,
+    so there are more prompts than for the greedy tests. (The DDTree engine chunks the
     long prompt: vLLM would rewind its generator there, which a CPU
     generator refuses; DDTree's runner skips that rewind.)"""
     prompts = _prompts(SAMPLED_PROMPTS)
@@ -331,7 +331,8 @@ def prefix_caching_check(
     config or None).
 
     Both rounds must equal no-spec up to near-ties, and round 2 must hit
-    past the prompt's last full block, i.e. a state written while decoding. On
+    past the prompt's last full block, i.e. a state written while decoding
+    (every request its prefill's states, some request more; see below). On
     this model a slightly wrong state seldom changes a greedy token, so the
     copied states themselves are checked against chain references in
     ``test_tree_gdn_ops.py`` and ``test_tree_mamba_utils.py``, and here the
