@@ -61,6 +61,14 @@ hooks, and why each is needed:
    wrapped so that, with ``--enable-per-request-metrics``, the ``metrics``
    object of a response also carries ``ddtree``: those stats. Upstream, the
    per-request metrics model would gain spec-decode fields.
+10. ``Scheduler.__init__`` (engine-core process) is wrapped: for a DDTree
+    engine with prefix caching on a hybrid target (Mamba cache mode
+    ``align``), its KV-cache manager registers the blocks of already
+    processed tokens before ``allocate_slots`` frees the state block of two
+    steps ago. A tree step that accepts past a block boundary leaves the
+    boundary's state in that block, and vLLM would free it before caching
+    it (see ``v1/core/align_state_caching.py``). Upstream: cache before
+    freeing in ``KVCacheManager.allocate_slots``.
 
 Substitutions scoped to the DDTree runners instead of made here, so that
 other engines in the same process keep vLLM's code: the V1 runner builds its
@@ -126,6 +134,9 @@ def register() -> None:
     _wrap_method(OutputProcessor, "add_request", _wrap_add_request)
     _wrap_method(IterationStats, "update_from_output", _wrap_update_from_output)
     _wrap_openai_metrics()
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    _wrap_method(Scheduler, "__init__", _wrap_scheduler_init)
     from vllm.v1.attention.backends.registry import (
         AttentionBackendEnum,
         register_backend,
@@ -182,6 +193,25 @@ def _wrap_create_speculative_config(original):
         return speculative_config
 
     return _mark(create_speculative_config)
+
+
+def _wrap_scheduler_init(original):
+    """Hook 10 (module doc)."""
+
+    @functools.wraps(original)
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        from vllm_ddtree.config import get_ddtree_config
+        from vllm_ddtree.v1.core.align_state_caching import (
+            cache_computed_blocks_first,
+            needs_early_caching,
+        )
+
+        manager = self.kv_cache_manager
+        if get_ddtree_config(vllm_config) is not None and needs_early_caching(manager):
+            cache_computed_blocks_first(manager)
+
+    return _mark(__init__)
 
 
 def _register_tree_gdn(platform) -> None:
