@@ -20,6 +20,7 @@ own call would register a moment later; only the order changes.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -40,10 +41,21 @@ def cache_computed_blocks_first(manager: KVCacheManager) -> None:
     blocks before it frees any (an instance attribute: other engines in the
     process keep vLLM's method)."""
     allocate_slots = manager.allocate_slots
+    # Where ``delay_cache_blocks`` sits among the arguments after ``request``
+    # (vLLM's scheduler passes it by keyword; a caller may pass it by place).
+    delay_index = (
+        list(inspect.signature(allocate_slots).parameters).index("delay_cache_blocks")
+        - 1
+    )
 
     @functools.wraps(allocate_slots)
     def allocate_slots_caching_first(request: Any, *args: Any, **kwargs: Any):
-        if not kwargs.get("delay_cache_blocks", False):
+        delay = (
+            args[delay_index]
+            if len(args) > delay_index
+            else kwargs.get("delay_cache_blocks", False)
+        )
+        if not delay:
             # Processed: the steps in flight (async scheduling) excluded; known:
             # drafts excluded. The free in allocate_slots counts the same way.
             processed = request.num_computed_tokens - request.num_in_flight_tokens
