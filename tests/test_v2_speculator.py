@@ -17,6 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.config import DDTreeConfig
@@ -108,3 +110,63 @@ def test_permute_head_leaves_padding(rows):
     order = torch.tensor([4, 3, 2, 1, 0])
     out = module._permute_head(values, order)
     assert out.tolist() == [4, 3, 2, 1, 0] + list(range(5, rows))
+
+
+def _drafter_graph_descriptors(spec: DDTreeSpeculator) -> list:
+    """The decode-graph descriptors vLLM's manager would capture for the
+    drafter, built by its own ``_init_candidates`` (the manager's constructor
+    needs a distributed group, so the manager is assembled by hand)."""
+    manager = CudaGraphManager.__new__(CudaGraphManager)
+    manager.vllm_config = spec.vllm_config
+    manager.compilation_config = spec.vllm_config.compilation_config
+    manager.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    manager.max_num_reqs = MAX_REQS
+    manager.decode_query_len = spec.num_query_per_req
+    manager.lora_capture_cases = [0]
+    manager._candidates, manager._capture_descs = {}, {}
+    manager._init_candidates()
+    return manager._capture_descs[CUDAGraphMode.FULL]
+
+
+@pytest.mark.parametrize("hide_schedule", [True, False])
+def test_drafter_graphs_ignore_tree_size_schedule(monkeypatch, hide_schedule):
+    """Under a batch-size schedule of tree sizes (64 alone, 8 batched) the
+    drafter's graphs are still of ``1 + DEPTH`` rows per request; vLLM's own
+    reading of the schedule gives negative request counts."""
+    spec = _speculator()
+    spec.num_query_per_req = 1 + DEPTH
+    schedule = [(1, 1, 64), (2, MAX_REQS, 8)]
+    spec.vllm_config = SimpleNamespace(
+        num_speculative_tokens=64,
+        speculative_config=SimpleNamespace(
+            num_speculative_tokens_per_batch_size=schedule,
+            uses_dynamic_speculative_decoding=lambda: (
+                spec.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
+                is not None
+            ),
+        ),
+        compilation_config=SimpleNamespace(
+            cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24, 32],
+            max_cudagraph_capture_size=32,
+        ),
+    )
+    captured = {}
+    monkeypatch.setattr(
+        DFlashSpeculator,
+        "init_cudagraph_manager",
+        lambda self, mode: captured.update(descs=_drafter_graph_descriptors(self)),
+    )
+    if hide_schedule:
+        spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    else:
+        DFlashSpeculator.init_cudagraph_manager(spec, CUDAGraphMode.FULL_AND_PIECEWISE)
+    shapes = {(d.num_reqs, d.uniform_token_count) for d in captured["descs"]}
+    if hide_schedule:
+        # Capture sizes 1..16 rounded up to whole requests of 1 + DEPTH rows.
+        assert shapes == {(1, 1 + DEPTH), (2, 1 + DEPTH), (4, 1 + DEPTH)}
+        assert (
+            spec.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
+            is schedule
+        )
+    else:
+        assert any(num_reqs <= 0 for num_reqs, _ in shapes), shapes

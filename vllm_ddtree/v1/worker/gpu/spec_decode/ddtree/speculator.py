@@ -6,7 +6,8 @@ precompute and CUDA graphs stay vLLM's). Three things change:
 
 * The drafter queries ``1 + max_depth`` positions per request, whatever the
   node budget ``B`` (V2 sizes DFlash's queries by ``num_speculative_tokens``,
-  which for DDTree is ``B``).
+  which for DDTree is ``B``), and its CUDA graphs are captured for that one
+  query length also under a batch-size schedule of tree sizes.
 * ``_generate_draft`` (the part V2 captures in a CUDA graph) keeps the
   top-``B`` log-probabilities of every drafted position and builds the
   best-first trees in one Triton launch, on the device, inside the graph.
@@ -58,6 +59,21 @@ class DDTreeSpeculator(DFlashSpeculator):
         # verify step of that request checks.
         self.req_trees = _empty_trees(self.max_num_reqs, budget, device)
         self._accepted_order: torch.Tensor | None = None
+
+    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
+        # Under ``num_speculative_tokens_per_batch_size`` vLLM's graph manager
+        # captures one query length per scheduled draft length, shifted by
+        # ``num_query_per_req - num_speculative_tokens``: for DFlash chains
+        # each is a drafter query length, for trees (``B`` nodes, 16 drafter
+        # rows) they go negative and the capture fails. The manager reads the
+        # schedule only while it builds its capture list, here.
+        spec = self.vllm_config.speculative_config
+        schedule = spec.num_speculative_tokens_per_batch_size
+        spec.num_speculative_tokens_per_batch_size = None
+        try:
+            super().init_cudagraph_manager(cudagraph_mode)
+        finally:
+            spec.num_speculative_tokens_per_batch_size = schedule
 
     def set_accepted_order(self, token_order: torch.Tensor | None) -> None:
         """``token_order[i]`` is the target token whose hidden states go to
