@@ -74,3 +74,55 @@ def test_rows_are_independent():
     )
     assert dst.tolist() == [101, 112 + (4 + 4 - 1) // BLOCK]
     assert path_len.tolist() == [3, 1]
+
+
+@pytest.mark.parametrize("mode", ["none", "align"])
+def test_warm_up_commit_changes_no_state(mode):
+    """The start-up warm-up of the GDN commit (the Triton kernels compile
+    there on a GPU; here the torch path runs) leaves every state as it was:
+    its one row accepted nothing and its block table is empty."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from vllm_ddtree.v1.worker.ddtree_model_runner import (
+        DDTreeModelRunnerMixin,
+        warm_up_gdn_commit,
+    )
+
+    width, dim, slots = 4, 6, 8
+    spec = MambaSpec(
+        block_size=BLOCK,
+        shapes=((width - 1 + NUM_SPEC, dim), (2, 3, 3)),
+        dtypes=(torch.float32, torch.float32),
+        mamba_cache_mode=mode,
+        num_speculative_blocks=NUM_SPEC,
+    )
+    g = torch.Generator().manual_seed(0)
+    layers = {
+        name: SimpleNamespace(
+            kv_cache=[
+                torch.randn(slots, width - 1 + NUM_SPEC, dim, generator=g),
+                torch.randn(slots, 2, 3, 3, generator=g),
+            ],
+            conv_kernel_size=width,
+        )
+        for name in ("gdn.0", "gdn.1")
+    }
+    before = {n: [t.clone() for t in layer.kv_cache] for n, layer in layers.items()}
+    runner = SimpleNamespace(
+        device=torch.device("cpu"),
+        ddtree=SimpleNamespace(max_depth=3),
+        cache_config=SimpleNamespace(mamba_cache_mode=mode),
+        compilation_config=SimpleNamespace(static_forward_context=layers),
+        kv_cache_config=SimpleNamespace(
+            kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=[*layers])]
+        ),
+        _gdn_commits={},
+    )
+    runner._commit_gdn_paths = partial(DDTreeModelRunnerMixin._commit_gdn_paths, runner)
+    table = torch.zeros(1, 12 if mode == "align" else 1 + NUM_SPEC, dtype=torch.int32)
+    warm_up_gdn_commit(runner, lambda gid: table)
+    assert [*runner._gdn_commits] == [0]
+    for name, layer in layers.items():
+        for have, want in zip(layer.kv_cache, before[name], strict=True):
+            assert torch.equal(have, want), name

@@ -354,18 +354,35 @@ class DDTreeModelRunnerMixin:
         mode), first write the state at the last block boundary the path
         reached into that boundary's block (:mod:`.tree_mamba_utils`)."""
         rows = tree.req_rows.long()
-        accepted = walk.num_accepted[rows]
-        path = walk.path[rows]
-        seq_lens = tree.ctx_len + tree.num_nodes
-        mode = self.cache_config.mamba_cache_mode
         num_reqs = self.input_batch.num_reqs
+        self._commit_gdn_paths(
+            lambda gid: self.input_batch.block_table[gid].get_device_tensor(num_reqs)[
+                rows
+            ],
+            tree.ctx_len,
+            tree.ctx_len + tree.num_nodes,
+            walk.num_accepted[rows],
+            walk.path[rows],
+        )
+
+    def _commit_gdn_paths(
+        self,
+        tables: Callable[[int], torch.Tensor],
+        ctx_len: torch.Tensor,
+        seq_lens: torch.Tensor,
+        accepted: torch.Tensor,
+        path: torch.Tensor,
+    ) -> None:
+        """:meth:`_commit_recurrent_state` for tree rows given as tensors
+        (``tables(gid)``: the rows' block table of KV-cache group ``gid``),
+        which is what the start-up warm-up calls on a dummy row."""
+        mode = self.cache_config.mamba_cache_mode
         layers = self.compilation_config.static_forward_context
         for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
             if not isinstance(spec, MambaSpec):
                 continue
-            table = self.input_batch.block_table[gid].get_device_tensor(num_reqs)
-            table = table[rows]
+            table = tables(gid)
             window = state_window(table, seq_lens, spec, mode)
             commit = self._gdn_commits.get(gid)
             if commit is None:
@@ -373,7 +390,7 @@ class DDTreeModelRunnerMixin:
                 self._gdn_commits[gid] = commit
             if mode == "align":
                 dst_slots, boundary_len = aligned_state_targets(
-                    table, window, tree.ctx_len, seq_lens, accepted, spec.block_size
+                    table, window, ctx_len, seq_lens, accepted, spec.block_size
                 )
                 commit(window, path, boundary_len, dst_slots)
             commit(window, path, accepted + 1)
@@ -615,3 +632,18 @@ def warm_up_tree_kernels(
     for _, commit in runner._kv_commit_plan().values():
         if commit is not None:
             commit(zero, zero)  # slot 0 (vLLM's null block) onto itself
+    if runner.model_config.is_hybrid:
+        warm_up_gdn_commit(runner, block_table_for)
+
+
+def warm_up_gdn_commit(
+    runner: Any, block_table_for: Callable[[int], torch.Tensor]
+) -> None:
+    """Run the recurrent-state commit (both variants in ``"align"`` mode) for
+    one row whose tree accepted nothing, over an empty block table: every
+    state goes from vLLM's null block onto itself."""
+    zero = torch.zeros(1, dtype=torch.int64, device=runner.device)
+    path = torch.zeros(
+        1, 1 + runner.ddtree.max_depth, dtype=torch.int64, device=runner.device
+    )
+    runner._commit_gdn_paths(block_table_for, zero, zero + 1, zero, path)
