@@ -28,6 +28,15 @@ def test_upload_keeps_values_shapes_and_grows():
     assert torch.equal(ta, torch.from_numpy(a))
 
 
+def test_every_array_starts_on_16_bytes():
+    """As a fresh tensor would (Triton specialises kernels on it)."""
+    arrays = [np.arange(n) for n in (1, 3, 0, 2, 5, 1)]
+    tensors = HostStaging("cpu").upload(*arrays)
+    assert [t.data_ptr() % 16 for t in tensors] == [0] * len(arrays)
+    for array, tensor in zip(arrays, tensors, strict=True):
+        assert tensor.tolist() == array.tolist()
+
+
 def test_verify_rows_maps():
     """Logit rows / draft rows of requests with 2, 0 and 1 drafts."""
     num_draft = np.array([2, 0, 1])

@@ -8,13 +8,20 @@ synchronises the stream, so each such copy made while the GPU is busy makes
 the host wait for the GPU, and the GPU then idles while the host prepares the
 rest of the step. :class:`HostStaging` packs all of a step's arrays into one
 pinned buffer and sends it in one non-blocking copy, made before the forward
-pass, whose results every later phase (sampler, commit) reuses.
+pass, whose results every later phase (sampler, commit) reuses. Each array
+starts on a 16-byte boundary of that buffer, as a fresh allocation would:
+Triton specialises kernels on their pointers' 16-byte alignment, so a view at
+an odd int64 offset would compile (mid-serving) a second, slower variant of a
+kernel the start-up warm-up compiled with aligned dummies.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+# Elements of int64 in 16 bytes.
+_ALIGN = 2
 
 
 class HostStaging:
@@ -29,9 +36,10 @@ class HostStaging:
         """int64 device tensors with the shapes and values of ``arrays``
         (integers or booleans). The copy is asynchronous on a GPU; on a CPU
         the results are fresh tensors, never views of the staging buffer."""
-        sizes = [a.size for a in arrays]
-        bounds = np.cumsum([0, *sizes])
-        total = int(bounds[-1])
+        sizes = np.array([a.size for a in arrays], dtype=np.int64)
+        padded = -(-sizes // _ALIGN) * _ALIGN
+        starts = np.cumsum(padded) - padded
+        total = int(padded.sum())
         on_gpu = self.device.type == "cuda"
         if self._sent is not None:
             # The previous transfer must have left the buffer before it is
@@ -42,8 +50,8 @@ class HostStaging:
             size = max(total, 1024, 2 * capacity)
             self._host = torch.empty(size, dtype=torch.int64, pin_memory=on_gpu)
         host = self._host.numpy()
-        for array, lo, hi in zip(arrays, bounds[:-1], bounds[1:], strict=True):
-            host[lo:hi] = array.ravel()
+        for array, lo, size in zip(arrays, starts, sizes, strict=True):
+            host[lo : lo + size] = array.ravel()
         staged = self._host[:total]
         if on_gpu:
             flat = staged.to(self.device, non_blocking=True)
@@ -52,6 +60,6 @@ class HostStaging:
         else:
             flat = staged.clone()
         return [
-            flat[lo:hi].view(array.shape)
-            for array, lo, hi in zip(arrays, bounds[:-1], bounds[1:], strict=True)
+            flat[lo : lo + size].view(array.shape)
+            for array, lo, size in zip(arrays, starts, sizes, strict=True)
         ]
