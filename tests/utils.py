@@ -408,3 +408,49 @@ def record_uniform_fills(monkeypatch) -> dict[str, int]:
 
     monkeypatch.setattr(UniformTreeBuffers, "fill", counted_fill)
     return seen
+
+
+# The modules that define this package's Triton kernels.
+_KERNEL_MODULES = (
+    "vllm_ddtree.v1.attention.ops.triton_tree_attention",
+    "vllm_ddtree.v1.ops.triton_gdn_commit",
+    "vllm_ddtree.v1.ops.triton_kv_commit",
+    "vllm_ddtree.v1.ops.triton_tree_cores",
+    "vllm_ddtree.v1.ops.triton_tree_gdn",
+)
+
+
+def ddtree_kernel_names() -> set[str]:
+    """Names of every Triton kernel this package defines."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    return {
+        name
+        for module in _KERNEL_MODULES
+        for name, obj in vars(importlib.import_module(module)).items()
+        if isinstance(obj, JITFunction)
+    }
+
+
+@contextmanager
+def ddtree_kernels_compiled() -> Iterator[list[str]]:
+    """Collects the names of this package's Triton kernels that vLLM's JIT
+    monitor (active once an in-process engine has warmed up) sees compile
+    inside the block: a variant the start-up warm-up missed."""
+    from unittest import mock
+
+    from vllm.utils import jit_monitor
+
+    ours = ddtree_kernel_names()
+    seen: list[str] = []
+    report = jit_monitor._handle_jit_event
+
+    def record(*, fn_name: str, **kwargs: Any) -> None:
+        if fn_name in ours:
+            seen.append(fn_name)
+        report(fn_name=fn_name, **kwargs)
+
+    with mock.patch.object(jit_monitor, "_handle_jit_event", record):
+        yield seen

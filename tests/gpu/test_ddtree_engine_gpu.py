@@ -18,6 +18,7 @@ from tests.oracle_drafter import Oracle, oracle_drafter
 from tests.utils import (
     TREE_SIZED_BUDGET,
     ddtree_config,
+    ddtree_kernels_compiled,
     dflash_config,
     drafts_verified_without_tree,
     make_llm,
@@ -109,12 +110,15 @@ def test_greedy_equals_no_spec_on_gpu(
         try:
             # Prometheus counters are process-wide: measure this engine's share.
             before = metric(llm, ACCEPTED) or 0
-            assert _generate(llm) == expected
-            accepted = metric(llm, ACCEPTED) - before
-            # Batch 1 too: a lone tree row next to no other request.
-            assert _generate(llm, PROMPTS[:1]) == expected[:1]
+            with ddtree_kernels_compiled() as compiled:
+                assert _generate(llm) == expected
+                accepted = metric(llm, ACCEPTED) - before
+                # Batch 1 too: a lone tree row next to no other request.
+                assert _generate(llm, PROMPTS[:1]) == expected[:1]
         finally:
             shutdown_llm(llm)
+    # The start-up warm-up compiled every kernel variant the steps used.
+    assert not compiled, compiled
     # The oracle makes trees accept several tokens per step; otherwise the
     # compaction and depth positions would go untested.
     assert accepted > len(PROMPTS) * MAX_TOKENS // 4

@@ -55,7 +55,10 @@ from vllm_ddtree.v1.attention.backends.tree_attn import (
     TreeAttentionInfo,
     publish_tree,
 )
-from vllm_ddtree.v1.attention.backends.tree_gdn_attn import commit_gdn_layers
+from vllm_ddtree.v1.attention.backends.tree_gdn_attn import (
+    commit_gdn_layers,
+    warm_up_tree_gdn,
+)
 from vllm_ddtree.v1.sample.tree_rejection_sampler import (
     PositionSeededTopKTopP,
     TreeRejectionSampler,
@@ -590,8 +593,9 @@ def warm_up_tree_kernels(
     """Compile the Triton kernels of a DDTree step at start-up (the V1 and V2
     GPU runners): the tree cores, the tree attention once per distinct layer
     geometry (``block_table_for(gid)``: a one-request block table of KV-cache
-    group ``gid``), and the KV commit. Otherwise each variant compiles (about
-    a second) the first time a tree size needs it, in the middle of serving."""
+    group ``gid``), the KV commit and, for hybrid targets, the tree GDN ops and
+    the recurrent-state commit. Otherwise each variant compiles (about a
+    second) the first time a tree size needs it, in the middle of serving."""
     # Imported here: the CPU runner shares this module and needs neither.
     from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
         FlashTreeAttentionImpl,
@@ -633,6 +637,15 @@ def warm_up_tree_kernels(
         if commit is not None:
             commit(zero, zero)  # slot 0 (vLLM's null block) onto itself
     if runner.model_config.is_hybrid:
+        warm_up_tree_gdn(
+            [
+                forward_context[name]
+                for group in runner.kv_cache_config.kv_cache_groups
+                if isinstance(group.kv_cache_spec, MambaSpec)
+                for name in group.layer_names
+            ],
+            1 + cfg.budget,
+        )
         warm_up_gdn_commit(runner, block_table_for)
 
 

@@ -29,9 +29,10 @@ requests without drafts) through vLLM's own code:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -135,7 +136,7 @@ def tree_gdn_forward(
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
     conv_weight: torch.Tensor,
-    rest: RestFn,
+    rest: RestFn | None,
 ) -> None:
     """GDN core of one layer for a batch with tree rows.
 
@@ -148,7 +149,8 @@ def tree_gdn_forward(
         ssm_state: ``[slots, HV, V, K]`` view of the recurrent cache.
         conv_weight: ``[dim, W]`` conv filter.
         rest: vLLM's path for the non-tree tokens: ``(qkv, b, a)`` of those
-            tokens (``metadata.non_spec_token_indx`` order) to their outputs.
+            tokens (``metadata.non_spec_token_indx`` order) to their outputs;
+            ``None`` for batches of tree rows only.
     """
     ops = _tree_ops(mixed_qkv.device)
     num_rows = metadata.num_spec_decodes
@@ -196,10 +198,47 @@ def tree_gdn_forward(
         core_attn_out[: out.shape[0]] = out
         return
     other = metadata.non_spec_token_indx
-    assert other is not None
+    assert other is not None and rest is not None
     core_attn_out.index_copy_(0, metadata.spec_token_indx, out)
     rest_out = rest(*(t.index_select(0, other) for t in (mixed_qkv, b, a)))
     core_attn_out.index_copy_(0, other, rest_out.to(core_attn_out.dtype))
+
+
+@torch.inference_mode()
+def warm_up_tree_gdn(layers: Iterable[Any], num_nodes: int) -> None:
+    """Run the tree ops of every GDN layer in ``layers`` once, for one
+    request whose tree is a chain of ``num_nodes`` tokens with every state
+    slot vLLM's null block (0), so that Triton compiles them at start-up and
+    not at an engine's first tree step. The inputs have the dtypes and
+    layouts of a verify step's (the projections' dtype, int32 indices)."""
+    for layer in layers:
+        conv_state, ssm_state = _layer_caches(layer)
+        weight = layer.conv1d.weight
+        device, dtype = weight.device, weight.dtype
+        num_v_heads, head_v = ssm_state.shape[1], ssm_state.shape[2]
+        as_i32 = dict(dtype=torch.int32, device=device)
+        metadata = SimpleNamespace(
+            num_spec_decodes=1,
+            num_prefills=0,
+            num_decodes=0,
+            num_spec_decode_tokens=num_nodes,
+            spec_query_start_loc=torch.tensor([0, num_nodes], **as_i32),
+            spec_state_indices_tensor=torch.zeros(1, num_nodes, **as_i32),
+        )
+        heads = torch.zeros(num_nodes, num_v_heads, dtype=dtype, device=device)
+        tree_gdn_forward(
+            layer,
+            metadata,
+            GDNTree(torch.arange(-1, num_nodes - 1, **as_i32)),
+            torch.zeros(num_nodes, conv_state.shape[1], dtype=dtype, device=device),
+            heads,
+            heads,
+            torch.empty(num_nodes, num_v_heads, head_v, dtype=dtype, device=device),
+            conv_state,
+            ssm_state,
+            weight.view(weight.size(0), weight.size(-1)),
+            None,
+        )
 
 
 def _non_spec_metadata(metadata: GDNAttentionMetadata) -> GDNAttentionMetadata:
