@@ -358,10 +358,12 @@ class DDTreeModelRunnerMixin:
         reached into that boundary's block (:mod:`.tree_mamba_utils`)."""
         rows = tree.req_rows.long()
         num_reqs = self.input_batch.num_reqs
+
+        def tables(gid: int) -> torch.Tensor:
+            return self.input_batch.block_table[gid].get_device_tensor(num_reqs)[rows]
+
         self._commit_gdn_paths(
-            lambda gid: self.input_batch.block_table[gid].get_device_tensor(num_reqs)[
-                rows
-            ],
+            tables,
             tree.ctx_len,
             tree.ctx_len + tree.num_nodes,
             walk.num_accepted[rows],

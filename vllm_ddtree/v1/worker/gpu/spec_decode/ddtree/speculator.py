@@ -64,9 +64,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Under ``num_speculative_tokens_per_batch_size`` vLLM's graph manager
         # captures one query length per scheduled draft length, shifted by
         # ``num_query_per_req - num_speculative_tokens``: for DFlash chains
-        # each is a drafter query length, for trees (``B`` nodes, 16 drafter
-        # rows) they go negative and the capture fails. The manager reads the
-        # schedule only while it builds its capture list, here.
+        # each is a drafter query length; for trees (``B`` nodes, ``1 +
+        # max_depth`` drafter rows) they are not, and can go negative (the
+        # capture then fails). The manager reads the schedule only while it
+        # builds its capture list, here.
         spec = self.vllm_config.speculative_config
         schedule = spec.num_speculative_tokens_per_batch_size
         spec.num_speculative_tokens_per_batch_size = None
