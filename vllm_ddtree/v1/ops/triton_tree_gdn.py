@@ -30,7 +30,12 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# ``a`` and ``b`` are slices of the layer's fused projection outputs, whose
+# 16-byte alignment depends on the batch's token count for some layouts
+# (Qwen3-Next's interleaved one with few value heads): one compiled variant for
+# every alignment, the one the start-up warm-up builds (they are read once per
+# token and head, so the alignment hint is worth nothing here).
+@triton.jit(do_not_specialize_on_alignment=["a", "b"])
 def _tree_recurrent_kernel(
     q,
     k,
