@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from tests.utils import interpreted_case, interpreter_fixture, print_case
+from tests.utils import interpreted_case, interpreter_fixture, print_case, run_case
 
 # name -> (requests, max nodes incl. root, max depth, seed)
 CASES: dict[str, tuple[int, int, int, int]] = {
@@ -181,30 +181,28 @@ def _worker_compile_variants() -> None:
     )
     from vllm_ddtree.v1.ops.triton_tree_cores import compile_variants
 
-    cpu = torch.device("cpu")
-    try:
+    cache = torch.zeros(4, 16, 2, 16)
+
+    def both() -> dict:
         walks = compile_variants(
-            cpu, budget=64, max_depth=15, top_k=8, force_spine=True
+            torch.device("cpu"), budget=64, max_depth=15, top_k=8, force_spine=True
         )
-        cache = torch.zeros(4, 16, 2, 16)
         # Block 0 for every position of the warm-up rows (context 32 + nodes).
         block_table = torch.zeros(1, 19, dtype=torch.int32)
         ran = attention_variants(cache, cache, block_table, 4, max_nodes=260)
-        res = {"attention_variants": sorted(ran), "walk_variants": walks}
-    except Exception as exc:
-        res = {"error": repr(exc)}
-    print_case("compile-variants", res)
-    # Last: a read past the table would crash the worker (a segfault under
-    # the interpreter, an illegal address on a GPU).
-    try:
+        return {"attention_variants": sorted(ran), "walk_variants": walks}
+
+    def one_block() -> dict:
         # A one-block table whose row is followed by block ids no cache has
         # (a hybrid model's long pages at max_num_seqs=1, on a GPU).
         table = torch.tensor([[0, 1 << 20, 1 << 20]], dtype=torch.int32)[:, :1]
         ran = attention_variants(cache, cache, table, 4, max_nodes=8)
-        res = {"attention_variants": sorted(ran)}
-    except Exception as exc:
-        res = {"error": repr(exc)}
-    print_case("compile-variants-one-block", res)
+        return {"attention_variants": sorted(ran)}
+
+    run_case("compile-variants", both)
+    # Last: a read past the table would crash the worker (a segfault under
+    # the interpreter, an illegal address on a GPU).
+    run_case("compile-variants-one-block", one_block)
 
 
 interp_results = interpreter_fixture(__file__, timeout=600)
