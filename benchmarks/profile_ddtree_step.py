@@ -18,10 +18,13 @@ times a decode of ``--max-tokens`` tokens and examines more decodes:
   that profile: the difference is the GPU waiting for the host.
 
 Dummy weights (``--load-format dummy``) accept nothing, so every step is a
-full-budget DDTree step: the measure of its fixed cost. ``--method dflash`` /
-``nospec`` profile stock DFlash and no speculation with the same settings
-(with ``VLLM_USE_V2_MODEL_RUNNER=0`` on V1, DDTree's runner; the phase
-names are V1's).
+full-budget DDTree step: the measure of its fixed cost. ``--pair DIR`` runs
+a trained pair instead (real weights, its held-out prompts: steps that
+accept). ``--method dflash`` / ``nospec`` profile stock DFlash and no
+speculation with the same settings (with ``VLLM_USE_V2_MODEL_RUNNER=0`` on
+V1, DDTree's runner); ``--runner v2`` puts DDTree on the V2 runner. The
+phases are timed under V1's and V2's method names alike. Steps are counted
+(the scheduler's calls), not derived from the token count.
 
     python benchmarks/profile_ddtree_step.py --out /tmp/prof \\
         --target benchmarks/configs/qwen3-8b \\
@@ -52,20 +55,30 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
         "runner",
         (
             "execute_model",
+            # V1's runner
             "_prepare_inputs",
-            "_plan_verify",
             "_build_attention_metadata",
             "_model_forward",
-            "sample_tokens",
             "_sample",
             "_update_states_after_model_execute",
             "propose_draft_token_ids",
             "_bookkeeping_sync",
+            # V2's runner
+            "update_requests",
+            "prepare_inputs",
+            "prepare_attn",
+            "sample",
+            "_commit_path",
+            "postprocess_sampled",
+            # both
+            "_plan_verify",
+            "sample_tokens",
             "take_draft_token_ids",
         ),
     ),
     ("runner.rejection_sampler", ("forward",)),
     ("runner.drafter", ("propose", "_build_trees")),
+    ("runner.speculator", ("propose",)),
 )
 
 
@@ -114,10 +127,41 @@ def time_phases(llm: Any, run: Any, steps: int) -> dict[str, dict[str, float]]:
     }
 
 
+def count_steps(llm: Any, run: Any) -> int:
+    """Engine steps (the scheduler's calls) during ``run()``."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    schedule = scheduler.schedule
+    steps = 0
+
+    def counted(*args, **kwargs):
+        nonlocal steps
+        steps += 1
+        return schedule(*args, **kwargs)
+
+    scheduler.schedule = counted
+    try:
+        run()
+    finally:
+        del scheduler.schedule
+    return steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--target", help="target model (config) dir")
+    ap.add_argument("--drafter", help="DFlash drafter (config) dir")
+    ap.add_argument(
+        "--pair",
+        type=Path,
+        help="a trained pair (train_pair's output): real weights and prompts",
+    )
+    ap.add_argument(
+        "--runner",
+        choices=("v1", "v2"),
+        default="v1",
+        help="DDTree's model runner (ddtree.model_runner)",
+    )
+    ap.add_argument("--max-cudagraph-capture-size", type=int)
     ap.add_argument(
         "--method", choices=("ddtree", "dflash", "nospec"), default="ddtree"
     )
@@ -133,6 +177,17 @@ def main() -> None:
     )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    prompt_ids = None
+    if args.pair is not None:
+        from vllm_ddtree.fixtures import trained_pair
+
+        pair = trained_pair(args.pair)
+        args.target, args.drafter = str(pair.target), str(pair.drafter)
+        args.load_format = "auto"
+        with open(pair.prompts) as fh:
+            prompt_ids = [json.loads(line)["prompt_token_ids"] for line in fh]
+    elif not (args.target and args.drafter):
+        ap.error("--target and --drafter, or --pair")
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -145,7 +200,7 @@ def main() -> None:
             "method": "ddtree",
             "model": args.drafter,
             "num_speculative_tokens": args.budget,
-            "ddtree": {"adaptive_budget": False},
+            "ddtree": {"adaptive_budget": False, "model_runner": args.runner},
         }
     elif args.method == "dflash":
         spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": 15}
@@ -164,10 +219,19 @@ def main() -> None:
         gpu_memory_utilization=0.85,
         speculative_config=spec,
         async_scheduling=args.async_scheduling,
+        compilation_config=None
+        if args.max_cudagraph_capture_size is None
+        else {"max_cudagraph_capture_size": args.max_cudagraph_capture_size},
     )
-    length = range(args.prompt_len)
+    if prompt_ids is None:
+        length = range(args.prompt_len)
+        prompt_ids = [
+            [(7 * i + 13 * r) % 1000 + 5 for i in length] for r in range(args.batch)
+        ]
     prompts = [
-        TokensPrompt(prompt_token_ids=[(7 * i + 13 * r) % 1000 + 5 for i in length])
+        TokensPrompt(
+            prompt_token_ids=prompt_ids[r % len(prompt_ids)][-args.prompt_len :]
+        )
         for r in range(args.batch)
     ]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -176,16 +240,20 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
 
     decode()  # warm-up on the exact shape
-    torch.cuda.synchronize()
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.synchronize()
     start = time.perf_counter()
-    decode()
+    steps = count_steps(llm, decode)
     seconds = time.perf_counter() - start
-    steps = args.max_tokens + 1  # zero acceptance: one token a step, + prefill
     summary = {
         "method": args.method,
         "budget": args.budget,
         "batch": args.batch,
+        "runner": args.runner,
         "async_scheduling": args.async_scheduling,
+        "steps": steps,
+        "tokens_per_step": args.batch * args.max_tokens / steps,
         "seconds": seconds,
         "ms_per_step": 1e3 * seconds / steps,
     }
@@ -209,21 +277,21 @@ def main() -> None:
     stats.print_callers(r"method '(cpu|item|tolist|synchronize)'")
     (args.out / "cprofile.txt").write_text(text.getvalue())
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_gpu
+    with profile(activities=activities) as p:
         decode()
     averages = p.key_averages()
-    # Device busy time (every op's own kernels and copies, graph replays
-    # included) against the wall time of a step: the rest is the GPU
-    # waiting for the host.
-    device_ms = sum(e.self_device_time_total for e in averages) / 1e3 / steps
-    summary["device_ms_per_step"] = device_ms
-    summary["device_idle_ms_per_step"] = summary["ms_per_step"] - device_ms
+    tables = [averages.table(sort_by="cpu_time_total", row_limit=40)]
+    if on_gpu:
+        # Device busy time (every op's own kernels and copies, graph
+        # replays included) against the wall time of a step: the rest is
+        # the GPU waiting for the host.
+        device_ms = sum(e.self_device_time_total for e in averages) / 1e3 / steps
+        summary["device_ms_per_step"] = device_ms
+        summary["device_idle_ms_per_step"] = summary["ms_per_step"] - device_ms
+        tables.insert(0, averages.table(sort_by="cuda_time_total", row_limit=40))
     print(json.dumps(summary), flush=True)
-    (args.out / "kernels.txt").write_text(
-        averages.table(sort_by="cuda_time_total", row_limit=40)
-        + "\n\n"
-        + averages.table(sort_by="cpu_time_total", row_limit=40)
-    )
+    (args.out / "kernels.txt").write_text("\n\n".join(tables))
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     llm.llm_engine.engine_core.shutdown()
 

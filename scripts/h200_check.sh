@@ -40,6 +40,10 @@
 #                                        # language-model only) (~9 min; E2E_BATCHES=1 for batch 1)
 #   bash scripts/h200_check.sh e2e-30b  # the same on dummy Qwen3-30B-A3B (MoE) (~9 min)
 #   bash scripts/h200_check.sh profile # DDTree B=64 and DFlash (V1) steps of dummy Qwen3-8B profiled (~9 min)
+#   bash scripts/h200_check.sh profile-pair  # the trained pair's steps profiled, all on the V2
+#                                          # runner, async: DDTree B=64 and DFlash (PROFILE_METHODS,
+#                                          # PROFILE_BATCH); trains a 3-minute pair first if
+#                                          # /tmp/pair-h200 has none (then ~8 min, else ~5)
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
 #   bash scripts/h200_check.sh train-e2e  # a 3-minute pair (TRAIN_MINUTES), then the
 #                                         # no-spec and DFlash rows on it (~10 min)
@@ -58,7 +62,7 @@
 # most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|cores|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-8b-async-v2|e2e-hybrid|e2e-qwen35|e2e-30b|profile|train|train-e2e|e2e|e2e-more|e2e-async|e2e-async-v2}
+mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|cores|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-8b-async-v2|e2e-hybrid|e2e-qwen35|e2e-30b|profile|profile-pair|train|train-e2e|e2e|e2e-more|e2e-async|e2e-async-v2}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -138,6 +142,18 @@ profile_8b() {  # DDTree B=64, then stock DFlash on the same (V1) runner, profil
     benchmarks/profile_ddtree_step.py --out /tmp/prof-8b/dflash-v1 "${common[@]}" \
     --method dflash
   tar czf "$out/profile-8b.tgz" -C /tmp prof-8b
+}
+
+profile_pair() {  # the pair's DDTree (V2 runner) and DFlash steps, async, profiled
+  [ -f /tmp/pair-h200/target/config.json ] || train_pair "${TRAIN_MINUTES:-3}" 250
+  local method
+  for method in ${PROFILE_METHODS:-ddtree dflash}; do
+    step "profile-pair-$method" 200 python3 benchmarks/profile_ddtree_step.py \
+      --pair /tmp/pair-h200 --method "$method" --runner v2 --budget 64 \
+      --batch "${PROFILE_BATCH:-1}" --prompt-len 64 --max-tokens 128 --async-scheduling \
+      --out "/tmp/prof-pair/$method"
+  done
+  tar czf "$out/profile-pair.tgz" -C /tmp prof-pair
 }
 
 e2e_report() {  # NAME: rebuild /tmp/NAME's table from its finished engines into $OUT
@@ -375,6 +391,9 @@ e2e-30b)
   ;;
 profile)
   profile_8b
+  ;;
+profile-pair)
+  profile_pair
   ;;
 train)
   train_pair 8 560

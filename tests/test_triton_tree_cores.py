@@ -185,7 +185,12 @@ def _worker_compile_variants() -> None:
 
     def both() -> dict:
         walks = compile_variants(
-            torch.device("cpu"), budget=64, max_depth=15, top_k=8, force_spine=True
+            torch.device("cpu"),
+            budget=64,
+            max_depth=15,
+            top_k=8,
+            force_spine=True,
+            out_dtype=torch.int64,
         )
         # Block 0 for every position of the warm-up rows (context 32 + nodes).
         block_table = torch.zeros(1, 19, dtype=torch.int32)

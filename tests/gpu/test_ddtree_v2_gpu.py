@@ -10,11 +10,18 @@ Run on the device machine: ``python -m pytest tests/gpu -q``.
 from __future__ import annotations
 
 import pytest
+import torch
 from vllm import LLM, SamplingParams
 
 from tests.gpu import test_ddtree_engine_gpu as v1_engine_tests
 from tests.gpu.test_ddtree_engine_gpu import ACCEPTED, MAX_TOKENS, PROMPTS
-from tests.utils import ddtree_config, make_llm, metric, shutdown_llm
+from tests.utils import (
+    ddtree_config,
+    ddtree_kernels_compiled,
+    make_llm,
+    metric,
+    shutdown_llm,
+)
 
 # The V1 engine tests' marks: GPU only.
 pytestmark = v1_engine_tests.pytestmark
@@ -79,11 +86,14 @@ def test_v2_greedy_equals_v2_no_spec(fixtures, expected, enforce_eager, budget):
     try:
         assert llm.llm_engine.vllm_config.use_v2_model_runner
         before = metric(llm, ACCEPTED) or 0
-        assert _generate(llm, GREEDY) == expected["greedy"]
-        accepted = metric(llm, ACCEPTED) - before
-        assert _generate(llm, GREEDY, PROMPTS[:1]) == expected["greedy"][:1]
+        with ddtree_kernels_compiled() as compiled:
+            assert _generate(llm, GREEDY) == expected["greedy"]
+            accepted = metric(llm, ACCEPTED) - before
+            assert _generate(llm, GREEDY, PROMPTS[:1]) == expected["greedy"][:1]
     finally:
         shutdown_llm(llm)
+    # The start-up warm-up compiled every kernel variant the steps used.
+    assert not compiled, compiled
     # DFlash drafts through the target's embedding and LM head, so even the
     # random fixture drafter's trees accept tokens (about one a step on the
     # CPU): the KV compaction and the depth positions ran.
@@ -110,10 +120,14 @@ def test_v2_batch_size_schedule(fixtures, expected):
     spec["num_speculative_tokens_per_batch_size"] = [(1, 1, 64), (2, 16, 8)]
     llm = _engine(fixtures.dense_target, False, spec)
     try:
-        alone, wide = _greedy_and_tree_size(llm, PROMPTS[:1])
-        batched, narrow = _greedy_and_tree_size(llm, PROMPTS)
+        with ddtree_kernels_compiled() as compiled:
+            alone, wide = _greedy_and_tree_size(llm, PROMPTS[:1])
+            batched, narrow = _greedy_and_tree_size(llm, PROMPTS)
     finally:
         shutdown_llm(llm)
+    # Both tree sizes' kernel variants were compiled at start-up (the walk
+    # writes V2's int64 rows; a warm-up with V1's int32 rows missed them).
+    assert not compiled, compiled
     assert alone == expected["greedy"][:1]
     assert batched == expected["greedy"]
     # Requests that finish first leave the last ones alone, with whole trees.
@@ -127,3 +141,51 @@ def test_v2_seeded_samples_equal_v2_no_spec(fixtures, expected):
         assert _generate(llm, SEEDED) == expected["seeded"]
     finally:
         shutdown_llm(llm)
+
+
+def test_v2_step_parts_never_wait_for_the_gpu(fixtures, expected, monkeypatch):
+    """V2 never learns a step's results on the host; DDTree's own parts of a
+    step (the verify plan, the walk, the KV commit, drafting and the tree
+    build) must not make it wait for them either: each serving call runs
+    under ``torch.cuda.set_sync_debug_mode("error")``, which raises at any
+    synchronizing call (``.item()``, ``.cpu()``, a boolean-mask index)."""
+    from vllm_ddtree.v1.worker.gpu.model_runner import DDTreeV2ModelRunner
+    from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler import (
+        TreeWalkSampler,
+    )
+    from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator import (
+        DDTreeSpeculator,
+    )
+
+    checked: set[str] = set()
+
+    def strict(owner: type, name: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                checked.add(f"{owner.__name__}.{name}")
+
+        monkeypatch.setattr(owner, name, wrapped)
+
+    spec = ddtree_config(fixtures.dense_drafter, 16, model_runner="v2")
+    llm = _engine(fixtures.dense_target, False, spec)
+    try:
+        # Wrapped once the engine has started: start-up may synchronise.
+        strict(DDTreeV2ModelRunner, "_plan_verify")
+        strict(DDTreeV2ModelRunner, "_commit_path")
+        strict(TreeWalkSampler, "__call__")
+        strict(DDTreeSpeculator, "propose")
+        assert _generate(llm, GREEDY) == expected["greedy"]
+    finally:
+        shutdown_llm(llm)
+    assert checked == {
+        "DDTreeV2ModelRunner._plan_verify",
+        "DDTreeV2ModelRunner._commit_path",
+        "TreeWalkSampler.__call__",
+        "DDTreeSpeculator.propose",
+    }

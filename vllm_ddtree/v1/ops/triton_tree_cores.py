@@ -500,15 +500,22 @@ def build_trees_triton(
 
 
 def compile_variants(
-    device: torch.device, budget: int, max_depth: int, top_k: int, force_spine: bool
+    device: torch.device,
+    budget: int,
+    max_depth: int,
+    top_k: int,
+    force_spine: bool,
+    out_dtype: torch.dtype,
 ) -> list[tuple[int, int]]:
     """Launch every variant of the three kernels that an engine with this
     budget can use (the build; the walk and the masks for every node-tile
     size up to ``budget + 1`` nodes, the walk also for every depth tile a
     batch verified as a chain reaches: its depth bound is its width - 1),
     so that Triton compiles them at start-up rather than mid-serving.
-    Inputs are dummies with the dtypes of the real calls. Returns the walk's
-    (node tile, depth tile) variants."""
+    Inputs are dummies with the dtypes of the real calls; ``out_dtype`` is
+    that of the sampler-output rows the walk writes (Triton compiles a
+    kernel per pointer dtype). Returns the walk's (node tile, depth tile)
+    variants."""
     as_long = dict(dtype=torch.long, device=device)
     build_trees_triton(
         torch.zeros(1, max_depth, top_k, device=device),
@@ -529,7 +536,7 @@ def compile_variants(
             torch.full((1,), width, **as_long),
             zeros,
             depth,
-            torch.zeros(1, width + 1, dtype=torch.int32, device=device),
+            torch.zeros(1, width + 1, dtype=out_dtype, device=device),
         )
     widths = {_nodes_tile(w): w for w in range(1, budget + 2)}
     for width in widths.values():

@@ -40,6 +40,9 @@ from vllm_ddtree.v1.sample.keyed_gumbel import (
 )
 from vllm_ddtree.v1.spec_decode.tree import WalkResult, walk_trees
 
+# The dtype of V1's sampler-output rows, which the walk writes.
+SAMPLED_TOKEN_DTYPE = torch.int32
+
 
 @dataclass
 class VerifyRows:
@@ -247,7 +250,7 @@ class TreeRejectionSampler(RejectionSampler):
         out = torch.full(
             (len(num_draft), metadata.max_spec_len + 1),
             PLACEHOLDER_TOKEN_ID,
-            dtype=torch.int32,
+            dtype=SAMPLED_TOKEN_DTYPE,
             device=device,
         )
         parents = step.parents[:, : rows.logit_rows.shape[1]]

@@ -60,6 +60,7 @@ from vllm_ddtree.v1.attention.backends.tree_gdn_attn import (
     warm_up_tree_gdn,
 )
 from vllm_ddtree.v1.sample.tree_rejection_sampler import (
+    SAMPLED_TOKEN_DTYPE,
     PositionSeededTopKTopP,
     TreeRejectionSampler,
     TreeVerifyInput,
@@ -584,20 +585,25 @@ class DDTreeModelRunnerMixin:
 class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
     def warm_up_tree_kernels(self) -> None:
         warm_up_tree_kernels(
-            self, lambda gid: self.input_batch.block_table[gid].get_device_tensor(1)
+            self,
+            lambda gid: self.input_batch.block_table[gid].get_device_tensor(1),
+            SAMPLED_TOKEN_DTYPE,
         )
 
 
 @torch.inference_mode()
 def warm_up_tree_kernels(
-    runner: Any, block_table_for: Callable[[int], torch.Tensor]
+    runner: Any,
+    block_table_for: Callable[[int], torch.Tensor],
+    sampled_dtype: torch.dtype,
 ) -> None:
     """Compile the Triton kernels of a DDTree step at start-up (the V1 and V2
-    GPU runners): the tree cores, the tree attention once per distinct layer
-    geometry (``block_table_for(gid)``: a one-request block table of KV-cache
-    group ``gid``), the KV commit and, for hybrid targets, the tree GDN ops and
-    the recurrent-state commit. Otherwise each variant compiles (about a
-    second) the first time a tree size needs it, in the middle of serving."""
+    GPU runners): the tree cores (the walk writing rows of the runner's
+    ``sampled_dtype``), the tree attention once per distinct layer geometry
+    (``block_table_for(gid)``: a one-request block table of KV-cache group
+    ``gid``), the KV commit and, for hybrid targets, the tree GDN ops and the
+    recurrent-state commit. Otherwise each variant compiles (about a second)
+    the first time a tree size needs it, in the middle of serving."""
     # Imported here: the CPU runner shares this module and needs neither.
     from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
         FlashTreeAttentionImpl,
@@ -613,6 +619,7 @@ def warm_up_tree_kernels(
         cfg.max_depth,
         min(cfg.budget, runner.model_config.get_vocab_size()),
         cfg.force_spine,
+        sampled_dtype,
     )
     forward_context = runner.compilation_config.static_forward_context
     done = set()

@@ -43,6 +43,7 @@ from vllm_ddtree.v1.worker.ddtree_model_runner import (
     warm_up_tree_kernels,
 )
 from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler import (
+    SAMPLED_TOKEN_DTYPE,
     TreeWalkInput,
     TreeWalkSampler,
 )
@@ -171,7 +172,9 @@ class DDTreeV2ModelRunner(GPUModelRunner):
 
     def warm_up_tree_kernels(self) -> None:
         warm_up_tree_kernels(
-            self, lambda gid: self.block_tables.input_block_tables[gid][:1]
+            self,
+            lambda gid: self.block_tables.input_block_tables[gid][:1],
+            SAMPLED_TOKEN_DTYPE,
         )
 
     # The same sizes decide whether V2 captures, and schedules, a full batch

@@ -32,6 +32,9 @@ from vllm_ddtree.v1.ops.triton_tree_cores import walk_trees_triton
 from vllm_ddtree.v1.sample.tree_rejection_sampler import VerifyRows
 from vllm_ddtree.v1.spec_decode.tree import WalkResult, path_first_permutation
 
+# The dtype of V2's sampler-output rows, which the walk writes.
+SAMPLED_TOKEN_DTYPE = torch.int64
+
 
 @dataclass
 class TreeWalkInput:
@@ -79,7 +82,7 @@ class TreeWalkSampler(RejectionSampler):
         sampled = torch.full(
             (input_batch.num_reqs, self.num_speculative_steps + 1),
             -1,
-            dtype=torch.int64,
+            dtype=SAMPLED_TOKEN_DTYPE,
             device=logits.device,
         )
         walk = walk_trees_triton(
