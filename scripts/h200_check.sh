@@ -20,7 +20,7 @@
 #   bash scripts/h200_check.sh verify-costs # GDN kernel tests, the GDN share of a
 #                                      # verify step (~6 min)
 #   bash scripts/h200_check.sh sweep   # tree-attention tiles x splits, tree-pass tiles, at engine shapes, + FA3 (~4 min)
-#   bash scripts/h200_check.sh cores   # tree cores: GPU test (== torch cores), device times (~2 min)
+#   bash scripts/h200_check.sh cores   # tree cores: GPU test (== torch cores), device times (~4 min)
 #   bash scripts/h200_check.sh shapes  # tree attention at the engine's shapes (chosen tiles), + FA3 (~2 min)
 #   bash scripts/h200_check.sh caches  # pack the compile / autotune caches into $OUT (see below)
 #   bash scripts/h200_check.sh e2e-8b  # dummy Qwen3-8B step cost: no-spec / DFlash / DDTree (~8 min)
@@ -333,7 +333,7 @@ sweep)
   ;;
 cores)
   step cores-test 150 python3 -m pytest -q -rf tests/gpu/test_tree_cores_gpu.py
-  step tree-cores 120 python3 benchmarks/bench_tree_cores.py --build-warps 2,4,8,16 \
+  step tree-cores 240 python3 benchmarks/bench_tree_cores.py --build-warps 2,4,8,16 \
     --out "$out/tree_cores.json"
   ;;
 shapes)
