@@ -222,7 +222,7 @@ def test_flash_builder_attaches_uniform_or_published_trees():
     builder = FlashTreeAttentionMetadataBuilder.__new__(
         FlashTreeAttentionMetadataBuilder
     )
-    builder.uniform_trees = UniformTreeBuffers(4, N, 64, torch.device("cpu"))
+    builder.uniform_trees = {N: UniformTreeBuffers(4, N, 64, torch.device("cpu"))}
     builder.flash_context = True
     tree = _published(_random_parents(2, torch.Generator()), [5, 9])
     block_table = torch.arange(8, dtype=torch.int32).view(2, 4)
@@ -246,6 +246,54 @@ def test_flash_builder_attaches_uniform_or_published_trees():
     assert mixed.tree is tree
     assert torch.equal(mixed.tree_block_table, block_table)
     assert not getattr(mixed, "tree_flash_context", False)
+
+
+def test_schedule_widths_get_buffers_of_their_own():
+    """Under a batch-size schedule vLLM captures full graphs for every draft
+    length K (V2 runner): a uniform batch of ``1 + K``-node trees must get
+    ``1 + K``-node buffers holding the trees' masks (a batch without
+    buffers would replay the chain attention its capture saw), and a
+    uniform batch of a length no graph has keeps the published tree."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.v1.attention.backends.tree_attn import (
+        TreeMetadataBuilderMixin,
+        uniform_tree_buffers,
+    )
+
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            num_speculative_tokens=8,
+            num_speculative_tokens_per_batch_size=[(1, 1, 8), (2, 16, N - 1)],
+        ),
+        model_config=SimpleNamespace(max_model_len=64),
+    )
+    builder = TreeMetadataBuilderMixin()
+    builder.uniform_trees = uniform_tree_buffers(config, 4, torch.device("cpu"))
+    assert sorted(builder.uniform_trees) == [N, 9]
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 2], [-1, 0, 1, 0, 3, 2, 5]])
+    tree = _published(parents, [5, 9])
+    block_table = torch.arange(8, dtype=torch.int32).view(2, 4)
+
+    def attach(query_len: int):
+        metadata = SimpleNamespace(block_table=block_table)
+        cm = SimpleNamespace(
+            causal=True,
+            query_start_loc_cpu=torch.tensor([0, query_len, 2 * query_len]),
+            num_reqs=2,
+            seq_lens=_seq_lens([5, 9], 0),
+        )
+        builder._attach_tree(metadata, cm, tree)
+        return metadata
+
+    narrow = attach(N)
+    mask, _ = narrow.tree.packed
+    want, _ = pack_ancestor_mask(tree.mask, [N, N])
+    assert torch.equal(mask, want)
+    assert not torch.equal(mask, builder.uniform_trees[N].chain_mask[: 2 * N])
+    assert torch.equal(narrow.tree.parents, parents)
+    # No graph has 5-token queries: the published tree, as for mixed batches.
+    assert attach(5).tree is tree
 
 
 def test_hybrid_tree_batches_stay_piecewise():

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -395,15 +396,17 @@ def tree_sized_requests() -> tuple[list[dict], list[SamplingParams]]:
     return [{"prompt_token_ids": p} for p in prompts], params
 
 
-def record_uniform_fills(monkeypatch) -> dict[str, int]:
+def record_uniform_fills(monkeypatch) -> dict[str, Any]:
     """Count the uniform batches that carried trees: all trees (``trees``)
-    or trees beside other ``1 + B``-token queries (``mixed``)."""
+    or trees beside other queries of the same length (``mixed``), and
+    (``by_size``) such batches by tree size."""
     inner = UniformTreeBuffers.fill
-    seen = {"trees": 0, "mixed": 0}
+    seen: dict[str, Any] = {"trees": 0, "mixed": 0, "by_size": Counter()}
 
     def counted_fill(self, num_reqs, seq_lens, tree):
         if tree is not None:
             seen["trees" if tree.covers_batch else "mixed"] += 1
+            seen["by_size"][self.num_nodes] += 1
         return inner(self, num_reqs, seq_lens, tree)
 
     monkeypatch.setattr(UniformTreeBuffers, "fill", counted_fill)

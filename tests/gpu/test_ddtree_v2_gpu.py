@@ -20,6 +20,7 @@ from tests.utils import (
     ddtree_kernels_compiled,
     make_llm,
     metric,
+    record_uniform_fills,
     shutdown_llm,
 )
 
@@ -112,10 +113,13 @@ def _greedy_and_tree_size(llm: LLM, prompts) -> tuple[list[list[int]], float]:
     return outputs, tokens / drafts
 
 
-def test_v2_batch_size_schedule(fixtures, expected):
+def test_v2_batch_size_schedule(fixtures, expected, monkeypatch):
     """vLLM's batch-size schedule on V2 (full CUDA graphs for every draft
     length): a lone request verifies its whole 64-node tree, 2 or more
-    requests the first 8 nodes of theirs (a tree: nodes come best-first)."""
+    requests the first 8 nodes of theirs (a tree: nodes come best-first),
+    each size through graph buffers of its own (a 9-node batch without them
+    replayed the chain attention its graph was captured with)."""
+    seen = record_uniform_fills(monkeypatch)
     spec = ddtree_config(fixtures.dense_drafter, 64, model_runner="v2")
     spec["num_speculative_tokens_per_batch_size"] = [(1, 1, 64), (2, 16, 8)]
     llm = _engine(fixtures.dense_target, False, spec)
@@ -132,6 +136,7 @@ def test_v2_batch_size_schedule(fixtures, expected):
     assert batched == expected["greedy"]
     # Requests that finish first leave the last ones alone, with whole trees.
     assert wide == 64 and narrow < 16, (wide, narrow)
+    assert seen["by_size"].keys() == {9, 65}, seen
 
 
 def test_v2_seeded_samples_equal_v2_no_spec(fixtures, expected):

@@ -10,14 +10,16 @@ The plugin selects it (as ``CUSTOM``) for ``method: "ddtree"`` targets only;
 the DFlash drafter keeps vLLM's own backend.
 
 CUDA graphs: batches of equal trees (every request verifies
-``1 + num_speculative_tokens`` nodes, the steady state with a fixed budget)
-are what vLLM captures as full graphs (``UNIFORM_BATCH`` support): their
-tree inputs live in :class:`~.tree_attn.UniformTreeBuffers`, refilled by the
-builder every step. Other verify batches (mixed with prefills, or trees cut
-by adaptive budgets) run with piecewise graphs, attention eager. A batch
-made only of trees skips FlashAttention's causal pass: one Triton launch per
-layer, or, with ``ddtree.flash_context``, FlashAttention over the context +
-a tree-only Triton pass (see ``flash_context_tree_attention.py``).
+``1 + num_speculative_tokens`` nodes, the steady state with a fixed budget,
+or ``1 + K`` nodes for a draft length K of a batch-size schedule) are what
+vLLM captures as full graphs (``UNIFORM_BATCH`` support): their tree inputs
+live in :class:`~.tree_attn.UniformTreeBuffers`, one per tree size,
+refilled by the builder every step. Other verify batches (mixed with
+prefills, or trees cut by adaptive budgets) run with piecewise graphs,
+attention eager. A batch made only of trees skips FlashAttention's causal
+pass: one Triton launch per layer, or, with ``ddtree.flash_context``,
+FlashAttention over the context + a tree-only Triton pass (see
+``flash_context_tree_attention.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from vllm_ddtree.v1.attention.backends.tree_attn import (
     PagedKVLayout,
     TreeAttentionImplMixin,
     TreeMetadataBuilderMixin,
-    UniformTreeBuffers,
+    uniform_tree_buffers,
 )
 from vllm_ddtree.v1.attention.ops.flash_context_tree_attention import (
     flash_context_tree_attention,
@@ -66,12 +68,7 @@ class FlashTreeAttentionMetadataBuilder(
                 vllm_config.scheduler_config.max_num_seqs,
                 vllm_config.compilation_config.max_cudagraph_capture_size or 0,
             )
-            self.uniform_trees = UniformTreeBuffers(
-                max_reqs,
-                1 + vllm_config.speculative_config.num_speculative_tokens,
-                vllm_config.model_config.max_model_len,
-                device,
-            )
+            self.uniform_trees = uniform_tree_buffers(vllm_config, max_reqs, device)
 
     def _attach_tree(self, metadata, common_attn_metadata, tree) -> bool:
         uniform = super()._attach_tree(metadata, common_attn_metadata, tree)

@@ -9,7 +9,8 @@
   per-process side channel is the least invasive way in.
 * :class:`UniformTreeBuffers` holds the tree inputs at fixed device
   addresses for batches of equal trees, the shape vLLM replays as one full
-  CUDA graph.
+  CUDA graph; :func:`uniform_tree_buffers` makes one per tree size such a
+  graph can have.
 * :class:`PagedKVLayout` knows where the key and value of a (block, offset)
   live inside one layer's KV-cache tensor, so tree attention can gather the
   context and the runner can move accepted-path KV between slots, for any
@@ -259,6 +260,25 @@ class UniformTreeBuffers:
         )
 
 
+def uniform_tree_buffers(
+    vllm_config, max_num_reqs: int, device: torch.device
+) -> dict[int, UniformTreeBuffers]:
+    """Graph buffers for every query length of a uniform verify batch that
+    vLLM captures as a full CUDA graph, by that length: ``1 + B`` and, under
+    vLLM's batch-size schedule (``num_speculative_tokens_per_batch_size``,
+    whose every draft length K gets graphs of its own on the V2 runner),
+    ``1 + K``. A captured length without buffers would replay the chain
+    attention its capture saw over the step's trees."""
+    spec = vllm_config.speculative_config
+    schedule = spec.num_speculative_tokens_per_batch_size or ()
+    widths = {1 + spec.num_speculative_tokens} | {1 + k for *_, k in schedule}
+    max_model_len = vllm_config.model_config.max_model_len
+    return {
+        n: UniformTreeBuffers(max_num_reqs, n, max_model_len, device)
+        for n in sorted(widths)
+    }
+
+
 class TreeMetadataBuilderMixin:
     """Mixed into a backend's metadata builder: attaches the published tree,
     and the block-table rows of its requests (gathered once per step rather
@@ -266,11 +286,12 @@ class TreeMetadataBuilderMixin:
 
     Only causal target batches carry trees; the DFlash drafter's non-causal
     batches never do. A builder whose uniform batches replay as full CUDA
-    graphs sets :attr:`uniform_trees`; those batches then get the graph
-    buffers' description instead.
+    graphs sets :attr:`uniform_trees` (graph buffers by query length, see
+    :func:`uniform_tree_buffers`); those batches then get the graph buffers'
+    description instead.
     """
 
-    uniform_trees: UniformTreeBuffers | None = None
+    uniform_trees: dict[int, UniformTreeBuffers] | None = None
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -282,12 +303,9 @@ class TreeMetadataBuilderMixin:
         """Set ``metadata.tree`` and, for a tree, ``tree_block_table``;
         return whether the batch went through :attr:`uniform_trees`."""
         cm = common_attn_metadata
-        if (
-            self.uniform_trees is not None
-            and cm.causal is True
-            and self.uniform_trees.matches(cm.query_start_loc_cpu)
-        ):
-            metadata.tree = self.uniform_trees.fill(cm.num_reqs, cm.seq_lens, tree)
+        buffers = self._uniform_buffers(cm) if cm.causal is True else None
+        if buffers is not None:
+            metadata.tree = buffers.fill(cm.num_reqs, cm.seq_lens, tree)
             # Rows are the batch's requests in order: the backend's own table.
             metadata.tree_block_table = metadata.block_table
             return True
@@ -295,6 +313,15 @@ class TreeMetadataBuilderMixin:
         if tree is not None:
             metadata.tree_block_table = metadata.block_table[tree.req_rows.long()]
         return False
+
+    def _uniform_buffers(self, common_attn_metadata) -> UniformTreeBuffers | None:
+        """The graph buffers of a uniform batch's query length, if it is one."""
+        if not self.uniform_trees:
+            return None
+        offsets = common_attn_metadata.query_start_loc_cpu
+        longest = int(np.diff(offsets.numpy()).max(initial=0))
+        buffers = self.uniform_trees.get(longest)
+        return buffers if buffers is not None and buffers.matches(offsets) else None
 
 
 class TreeAttentionImplMixin:
