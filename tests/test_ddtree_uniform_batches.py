@@ -18,6 +18,7 @@ import pytest
 from tests.oracle_drafter import Oracle, oracle_drafter
 from tests.utils import (
     TREE_SIZED_BUDGET,
+    cpu_async_scheduling,
     ddtree_config,
     make_llm,
     record_uniform_fills,
@@ -50,7 +51,9 @@ def no_spec(fixtures) -> list[list[int]]:
         shutdown_llm(llm)
 
 
-def _ddtree_with_graph_buffers(fixtures, monkeypatch, no_spec, spec) -> None:
+def _ddtree_with_graph_buffers(
+    fixtures, monkeypatch, no_spec, spec, async_scheduling: bool = False
+) -> None:
     """Generate with the CPU builder holding a GPU builder's graph buffers
     and an oracle drafter (long accepted paths); outputs must equal
     no-spec's."""
@@ -64,13 +67,14 @@ def _ddtree_with_graph_buffers(fixtures, monkeypatch, no_spec, spec) -> None:
     requests, params = tree_sized_requests()
     prompts = [r["prompt_token_ids"] for r in requests]
     oracle = Oracle({tuple(p): p + o for p, o in zip(prompts, no_spec, strict=True)})
-    with oracle_drafter(oracle):
+    with oracle_drafter(oracle), cpu_async_scheduling():
         llm = make_llm(
             fixtures.dense_target,
             max_model_len=MAX_MODEL_LEN,
             max_num_seqs=MAX_NUM_SEQS,
             gpu_memory_utilization=0.25,
             speculative_config=spec,
+            async_scheduling=async_scheduling,
         )
         try:
             outputs = llm.generate(requests, params)
@@ -87,9 +91,14 @@ def test_uniform_batches_through_graph_buffers(fixtures, monkeypatch, no_spec):
     assert seen["trees"] > 0 and seen["mixed"] > 0, seen
 
 
-def test_schedule_trees_through_their_graph_buffers(fixtures, monkeypatch, no_spec):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_schedule_trees_through_their_graph_buffers(
+    fixtures, monkeypatch, no_spec, async_scheduling
+):
     """A batch-size schedule: lone requests verify 1 + 8 nodes, batches of
-    2 or 3 the first 1 + 3; both sizes go through buffers of their size."""
+    2 or 3 the first 1 + 3; both sizes go through buffers of their size,
+    also under async scheduling (the V2 runner's only mode), where the
+    host's context lengths are upper bounds."""
     seen = record_uniform_fills(monkeypatch)
     spec = ddtree_config(
         fixtures.dense_drafter, TREE_SIZED_BUDGET, adaptive_budget=False
@@ -98,5 +107,5 @@ def test_schedule_trees_through_their_graph_buffers(fixtures, monkeypatch, no_sp
         (1, 1, TREE_SIZED_BUDGET),
         (2, MAX_NUM_SEQS, 3),
     ]
-    _ddtree_with_graph_buffers(fixtures, monkeypatch, no_spec, spec)
+    _ddtree_with_graph_buffers(fixtures, monkeypatch, no_spec, spec, async_scheduling)
     assert seen["by_size"].keys() == {4, 1 + TREE_SIZED_BUDGET}, seen
