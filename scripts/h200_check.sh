@@ -116,6 +116,12 @@ step() {
   printf '%-28s rc=%-3s %4ss  %s\n' "$name" "$rc" $((SECONDS - start)) "$tail" |
     tee -a "$out/summary.txt"
   grep -E "^(FAILED|ERROR) " "$logs/$name.log" | tee -a "$out/summary.txt"
+  # Kernels vLLM's JIT monitor saw compile after warm-up (a latency spike
+  # inside whatever the step timed): name them next to the step.
+  local jit
+  jit=$(grep -o "JIT compilation during inference: [A-Za-z0-9_]*" "$logs/$name.log" |
+    sed 's/.*: //' | sort | uniq -c | awk '{printf "%s%s x%s", sep, $2, $1; sep=", "}')
+  [ -n "$jit" ] && echo "  compiled mid-serving: $jit" | tee -a "$out/summary.txt"
   # Pack the logs after every step: a call cut at the device's time limit
   # still brings back everything that ran.
   tar czf "$pack" -C "$logs" .
