@@ -396,6 +396,27 @@ def tree_sized_requests() -> tuple[list[dict], list[SamplingParams]]:
     return [{"prompt_token_ids": p} for p in prompts], params
 
 
+def fail_on_host_sync(monkeypatch, owner: type, name: str, checked: set[str]) -> None:
+    """Run ``owner.name`` under ``torch.cuda.set_sync_debug_mode("error")``,
+    which raises at any call that makes the host wait for the GPU
+    (``.item()``, ``.cpu()``, a device-to-host copy, a boolean-mask index),
+    and add ``name`` to ``checked`` after every call that returned."""
+    import torch
+
+    inner = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            result = inner(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked.add(name)
+        return result
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
 def record_uniform_fills(monkeypatch) -> dict[str, Any]:
     """Count the uniform batches that carried trees: all trees (``trees``)
     or trees beside other queries of the same length (``mixed``), and

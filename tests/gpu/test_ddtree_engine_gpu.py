@@ -21,6 +21,7 @@ from tests.utils import (
     ddtree_kernels_compiled,
     dflash_config,
     drafts_verified_without_tree,
+    fail_on_host_sync,
     make_llm,
     metric,
     record_uniform_fills,
@@ -280,26 +281,14 @@ def test_async_step_parts_never_wait_for_the_gpu(fixtures, expected, monkeypatch
     from vllm_ddtree.v1.spec_decode.ddtree_proposer import DDTreeProposer
     from vllm_ddtree.v1.worker.ddtree_model_runner import DDTreeModelRunnerMixin
 
-    checked: list[str] = []
-
-    def strict(owner: type, name: str) -> None:
-        inner = getattr(owner, name)
-
-        def wrapped(*args, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                result = inner(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            checked.append(name)
-            return result
-
-        monkeypatch.setattr(owner, name, wrapped)
-
-    strict(DDTreeModelRunnerMixin, "_plan_verify")
-    strict(DDTreeModelRunnerMixin, "_update_states_after_model_execute")
-    strict(DDTreeProposer, "propose")
-    strict(TreeRejectionSampler, "forward")
+    checked: set[str] = set()
+    for owner, name in (
+        (DDTreeModelRunnerMixin, "_plan_verify"),
+        (DDTreeModelRunnerMixin, "_update_states_after_model_execute"),
+        (DDTreeProposer, "propose"),
+        (TreeRejectionSampler, "forward"),
+    ):
+        fail_on_host_sync(monkeypatch, owner, name, checked)
     spec = ddtree_config(fixtures.dense_drafter, 16)
     llm = _engine(fixtures.dense_target, False, spec=spec, async_scheduling=True)
     try:

@@ -10,7 +10,6 @@ Run on the device machine: ``python -m pytest tests/gpu -q``.
 from __future__ import annotations
 
 import pytest
-import torch
 from vllm import LLM, SamplingParams
 
 from tests.gpu import test_ddtree_engine_gpu as v1_engine_tests
@@ -18,6 +17,7 @@ from tests.gpu.test_ddtree_engine_gpu import ACCEPTED, MAX_TOKENS, PROMPTS
 from tests.utils import (
     ddtree_config,
     ddtree_kernels_compiled,
+    fail_on_host_sync,
     make_llm,
     metric,
     record_uniform_fills,
@@ -162,35 +162,20 @@ def test_v2_step_parts_never_wait_for_the_gpu(fixtures, expected, monkeypatch):
         DDTreeSpeculator,
     )
 
+    parts = (
+        (DDTreeV2ModelRunner, "_plan_verify"),
+        (DDTreeV2ModelRunner, "_commit_path"),
+        (TreeWalkSampler, "__call__"),
+        (DDTreeSpeculator, "propose"),
+    )
     checked: set[str] = set()
-
-    def strict(owner: type, name: str) -> None:
-        inner = getattr(owner, name)
-
-        def wrapped(*args, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-                checked.add(f"{owner.__name__}.{name}")
-
-        monkeypatch.setattr(owner, name, wrapped)
-
     spec = ddtree_config(fixtures.dense_drafter, 16, model_runner="v2")
     llm = _engine(fixtures.dense_target, False, spec)
     try:
         # Wrapped once the engine has started: start-up may synchronise.
-        strict(DDTreeV2ModelRunner, "_plan_verify")
-        strict(DDTreeV2ModelRunner, "_commit_path")
-        strict(TreeWalkSampler, "__call__")
-        strict(DDTreeSpeculator, "propose")
+        for owner, name in parts:
+            fail_on_host_sync(monkeypatch, owner, name, checked)
         assert _generate(llm, GREEDY) == expected["greedy"]
     finally:
         shutdown_llm(llm)
-    assert checked == {
-        "DDTreeV2ModelRunner._plan_verify",
-        "DDTreeV2ModelRunner._commit_path",
-        "TreeWalkSampler.__call__",
-        "DDTreeSpeculator.propose",
-    }
+    assert checked == {name for _, name in parts}
