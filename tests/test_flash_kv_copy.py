@@ -106,7 +106,10 @@ def _worker() -> None:
             ]
             before = [_slots_view(c) for c in caches]
             commit = SlotRowsCommit.for_rows([slot_rows(c) for c in caches])
-            commit(torch.tensor(SRC), torch.tensor(DST))
+            # Batch tokens 0..3 have the SRC slots, tokens 4..7 the DST ones.
+            slot_mapping = torch.tensor(SRC + DST)
+            tokens = torch.arange(2 * len(SRC))
+            commit(slot_mapping, tokens[: len(SRC)], tokens[len(SRC) :])
             equal = []
             for cache, old in zip(caches, before, strict=True):
                 expected = old.clone()

@@ -237,7 +237,8 @@ def test_gather_tree_layout_rows_prefixes_and_chains():
     # chain of 4 nodes, a row without drafts, proposal row 1 cut to 5 nodes.
     tree_row = torch.tensor([2, 0, -1, -1, 1])
     num_nodes = torch.tensor([8, 3, 4, 1, 5])
-    parents, depths = gather_tree_layout(trees, tree_row, num_nodes, 8)
+    shapes = (trees.parents, trees.depths)
+    parents, depths = gather_tree_layout(shapes, tree_row, num_nodes, 8)
     rows = zip(tree_row.tolist(), num_nodes.tolist(), strict=True)
     for r, (src, n) in enumerate(rows):
         if src >= 0:

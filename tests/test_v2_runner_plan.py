@@ -48,7 +48,9 @@ def _runner() -> tuple[DDTreeV2ModelRunner, SimpleNamespace]:
     runner = DDTreeV2ModelRunner.__new__(DDTreeV2ModelRunner)
     runner.ddtree = DDTreeConfig(budget=budget, max_depth=15, adaptive_budget=False)
     runner.host_staging = HostStaging("cpu")
-    runner.speculator = SimpleNamespace(req_trees=trees, order=None)
+    runner.speculator = SimpleNamespace(
+        req_tree_shapes=(trees.parents, trees.depths), order=None
+    )
     runner.speculator.set_accepted_order = lambda order: setattr(
         runner.speculator, "order", order
     )
@@ -57,7 +59,9 @@ def _runner() -> tuple[DDTreeV2ModelRunner, SimpleNamespace]:
     # Token slots 100 + batch token index, in the one KV-cache group.
     runner.block_tables = SimpleNamespace(slot_mappings=100 + torch.arange(32)[None])
     moves = []
-    runner._kv_commits = {0: ([], lambda src, dst: moves.append((src, dst)))}
+    runner._kv_commits = {
+        0: ([], lambda slots, src, dst: moves.append((slots[src], slots[dst])))
+    }
 
     query_lens = NUM_DRAFTS + 1
     query_lens[1] = PREFILL_LEN
@@ -90,7 +94,6 @@ def test_plan_moves_nodes_to_depth_positions_and_describes_the_trees():
     assert positions[5:8] == [0, 1, 2]
     # Row 2 (slot 1): a chain, depth = node index.
     assert positions[8:11] == [20, 21, 22]
-    assert plan.linear_positions.tolist() == case.linear.tolist()
 
     tree = plan.tree
     assert tree.req_rows_cpu == [0, 2]
@@ -117,7 +120,8 @@ def test_commit_moves_the_accepted_path_and_restores_positions():
         num_accepted=torch.tensor([1, 0, 2]),
         bonus=torch.zeros(3, dtype=torch.long),
     )
-    runner._commit_path(plan, walk)
+    # Two rows of CUDA-graph padding after the batch.
+    runner._commit_path(plan, walk, len(case.linear) + 2)
 
     [(src, dst)] = case.moves
     moved = dict(zip(dst.tolist(), src.tolist(), strict=True))
@@ -130,4 +134,4 @@ def test_commit_moves_the_accepted_path_and_restores_positions():
     assert positions.tolist() == case.linear.tolist()
     order = runner.speculator.order.tolist()
     assert order[:5] == [0, 2, 1, 3, 4]
-    assert order[5:] == list(range(5, len(case.linear)))
+    assert order[5:] == list(range(5, len(case.linear) + 2))

@@ -24,10 +24,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.v1.spec_decode.tree import build_trees
 from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree import speculator as module
-from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator import (
-    DDTreeSpeculator,
-    _empty_trees,
-)
+from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator import DDTreeSpeculator
 
 BUDGET, DEPTH, VOCAB, MAX_REQS = 6, 3, 11, 4
 
@@ -36,8 +33,7 @@ def _speculator() -> DDTreeSpeculator:
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
     spec.ddtree = DDTreeConfig(budget=BUDGET, max_depth=DEPTH, adaptive_budget=False)
     spec.num_speculative_steps = DEPTH
-    spec.trees = _empty_trees(MAX_REQS, BUDGET, torch.device("cpu"))
-    spec.req_trees = _empty_trees(MAX_REQS, BUDGET, torch.device("cpu"))
+    spec._init_tree_buffers(MAX_REQS, BUDGET, torch.device("cpu"))
     spec._accepted_order = None
     # The drafter's "hidden states" are its logits; rows 0..R*DEPTH-1 are the
     # sampled positions in request-major order, as DFlash's kernel lays them.
@@ -96,18 +92,23 @@ def test_propose_reorders_hidden_states_and_keeps_trees_by_slot(monkeypatch):
     assert seen["aux"][0][:, 0].tolist() == [100, 102, 101, 103, 104, 105, 106]
     assert seen["args"] == ("num_sampled",) and seen["kwargs"] == {"dummy_run": False}
     assert torch.equal(drafts, spec.trees.tokens[:2])
-    assert torch.equal(spec.req_trees.parents[3], spec.trees.parents[0])
-    assert torch.equal(spec.req_trees.parents[1], spec.trees.parents[1])
-    assert not spec.req_trees.parents[[0, 2]].any()
+    req_parents, req_depths = spec.req_tree_shapes
+    for slot, row in ((3, 0), (1, 1)):
+        assert torch.equal(req_parents[slot], spec.trees.parents[row])
+        assert torch.equal(req_depths[slot], spec.trees.depths[row])
+    assert not req_parents[[0, 2]].any() and not req_depths[[0, 2]].any()
     # The order is used once: the next proposal keeps vLLM's order.
     spec.propose(batch, None, None, hidden, aux)
     assert seen["hidden"][:, 0].tolist() == list(range(7))
 
 
 @pytest.mark.parametrize("rows", [5, 7])
-def test_permute_head_leaves_padding(rows):
+@pytest.mark.parametrize("order_len", [5, 7])
+def test_permute_head_leaves_padding(rows, order_len):
+    """Orders over the batch's tokens or over the padded batch (identity on
+    the padding); hidden states of the batch or of the padded batch."""
     values = torch.arange(float(rows))
-    order = torch.tensor([4, 3, 2, 1, 0])
+    order = torch.tensor([4, 3, 2, 1, 0, 5, 6][:order_len])
     out = module._permute_head(values, order)
     assert out.tolist() == [4, 3, 2, 1, 0] + list(range(5, rows))
 

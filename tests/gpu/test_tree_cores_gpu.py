@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The one-launch Triton tree cores on a CUDA GPU equal the torch cores.
 
-Same cases as the interpreted CPU test (``tests/test_triton_tree_cores.py``)
-plus full-size ones: 64 requests, budgets up to 256, ties.
+Same cases as the interpreted CPU tests (``tests/test_triton_tree_cores.py``,
+``tests/test_triton_verify_step.py``) plus full-size ones: 64 requests,
+budgets up to 256, ties.
 
 Run on the device machine: ``python -m pytest tests/gpu/test_tree_cores_gpu.py -q``.
 """
@@ -18,6 +19,8 @@ from tests.test_triton_tree_cores import (
     random_batch,
     random_topk,
 )
+from tests.test_triton_verify_step import CASES as VERIFY_STEP_CASES
+from tests.test_triton_verify_step import compare as compare_verify_step
 from vllm_ddtree.v1.attention.backends.tree_attn import pack_ancestor_mask
 from vllm_ddtree.v1.spec_decode.tree import ancestor_mask, build_trees, walk_trees
 
@@ -77,3 +80,11 @@ def test_build_on_gpu(name):
     assert got is not None
     for field in ("tokens", "parents", "depths", "scores"):
         assert torch.equal(getattr(got, field), getattr(ref, field)), field
+
+
+@pytest.mark.parametrize("name", list(VERIFY_STEP_CASES))
+def test_verify_step_kernels_on_gpu(name):
+    rec = compare_verify_step(name, "cuda")
+    assert rec["parents_equal"] and rec["positions_equal"], rec
+    assert all(rec["rows_equal"].values()), rec
+    assert rec["moves_equal"] and rec["order_equal"] and rec["restored"], rec

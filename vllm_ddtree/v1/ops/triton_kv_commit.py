@@ -2,7 +2,8 @@
 """The accepted-path KV commit of every attention layer in two launches.
 
 After the walk, each request's accepted nodes move to the cache slots right
-after its context: ``rows[dst[i]] = rows[src[i]]`` in every layer. Done per
+after its context: ``rows[dst[i]] = rows[src[i]]`` in every layer, the slots
+looked up in the step's slot mapping inside the kernel. Done per
 layer, that is a gather and a scatter for each of the (e.g. 36) layers, every
 step. Here the layers' slot-row views (a slot's keys and values side by side,
 vLLM's FlashAttention NHD cache) are addressed through a table of base
@@ -21,7 +22,9 @@ import triton.language as tl
 @triton.jit(do_not_specialize=["num_rows"])
 def _move_rows_kernel(
     LAYER_ROWS,  # [L] int64: base address of each layer's [slots, width] rows
-    SLOTS,  # [num_rows] int64: the slot each row is read from / written to
+    SLOT_MAPPING,  # [tokens]: each batch token's cache slot
+    SRC,  # [num_rows]: batch token whose row moves ...
+    DST,  # [num_rows]: ... to this token's slot
     SCRATCH,  # [L, num_rows, width]
     num_rows,
     width,
@@ -32,14 +35,16 @@ def _move_rows_kernel(
     i = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    keep = cols < width
+    src = tl.load(SLOT_MAPPING + tl.load(SRC + i)).to(tl.int64)
+    dst = tl.load(SLOT_MAPPING + tl.load(DST + i)).to(tl.int64)
+    # A row that stays is no other move's destination (the moves permute).
+    keep = (cols < width) & (src != dst)
     rows = tl.load(LAYER_ROWS + layer).to(tl.pointer_type(SCRATCH.dtype.element_ty))
-    slot_row = rows + tl.load(SLOTS + i).to(tl.int64) * row_stride + cols
     scratch = SCRATCH + (layer * num_rows + i) * width + cols
     if TO_SCRATCH:
-        tl.store(scratch, tl.load(slot_row, mask=keep), mask=keep)
+        tl.store(scratch, tl.load(rows + src * row_stride + cols, mask=keep), mask=keep)
     else:
-        tl.store(slot_row, tl.load(scratch, mask=keep), mask=keep)
+        tl.store(rows + dst * row_stride + cols, tl.load(scratch, mask=keep), mask=keep)
 
 
 def address_table(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -75,7 +80,12 @@ class SlotRowsCommit:
         self.row_stride = first.stride(0)
         self.block = min(triton.next_power_of_2(self.width), 4096)
 
-    def __call__(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def __call__(
+        self, slot_mapping: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """Move the row of batch token ``src[i]``'s slot to ``dst[i]``'s
+        (``slot_mapping``: the step's slot of every batch token). The moves
+        must permute their slots, as a commit's do."""
         num_rows = src.numel()
         if num_rows == 0:
             return
@@ -86,10 +96,12 @@ class SlotRowsCommit:
             device=first.device,
         )
         grid = (num_rows, len(self.layer_rows), triton.cdiv(self.width, self.block))
-        for slots, to_scratch in ((src, True), (dst, False)):
+        for to_scratch in (True, False):
             _move_rows_kernel[grid](
                 self.table,
-                slots.to(torch.int64),
+                slot_mapping,
+                src,
+                dst,
                 scratch,
                 num_rows,
                 self.width,

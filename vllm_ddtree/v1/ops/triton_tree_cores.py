@@ -506,16 +506,22 @@ def compile_variants(
     top_k: int,
     force_spine: bool,
     out_dtype: torch.dtype,
+    restore_positions: bool,
 ) -> list[tuple[int, int]]:
-    """Launch every variant of the three kernels that an engine with this
-    budget can use (the build; the walk and the masks for every node-tile
-    size up to ``budget + 1`` nodes, the walk also for every depth tile a
-    batch verified as a chain reaches: its depth bound is its width - 1),
-    so that Triton compiles them at start-up rather than mid-serving.
-    Inputs are dummies with the dtypes of the real calls; ``out_dtype`` is
-    that of the sampler-output rows the walk writes (Triton compiles a
-    kernel per pointer dtype). Returns the walk's (node tile, depth tile)
-    variants."""
+    """Launch every variant of the kernels that an engine with this budget
+    can use (the build; the walk, the masks and the runner's lay-out and
+    path-first moves of :mod:`~vllm_ddtree.v1.ops.triton_verify_step` for
+    every node-tile size up to ``budget + 1`` nodes, the walk and the moves
+    also for every depth tile a batch verified as a chain reaches: its depth
+    bound is its width - 1), so that Triton compiles them at start-up rather
+    than mid-serving. Inputs are dummies with the dtypes of the real calls;
+    ``out_dtype`` is that of the sampler-output rows the walk writes (Triton
+    compiles a kernel per pointer dtype), ``restore_positions`` whether the
+    runner has the moves put positions back. Returns the walk's (node tile,
+    depth tile) variants."""
+    # Imported here: that module builds on this one's tiles.
+    from vllm_ddtree.v1.ops.triton_verify_step import warm_up_verify_step
+
     as_long = dict(dtype=torch.long, device=device)
     build_trees_triton(
         torch.zeros(1, max_depth, top_k, device=device),
@@ -530,7 +536,7 @@ def compile_variants(
     }
     for width, depth in walks.values():
         zeros = torch.zeros(1, width, **as_long)
-        walk_trees_triton(
+        walk = walk_trees_triton(
             zeros,
             torch.arange(-1, width - 1, **as_long)[None],
             torch.full((1,), width, **as_long),
@@ -538,6 +544,7 @@ def compile_variants(
             depth,
             torch.zeros(1, width + 1, dtype=out_dtype, device=device),
         )
+        warm_up_verify_step(walk.path, width, budget, restore_positions)
     widths = {_nodes_tile(w): w for w in range(1, budget + 2)}
     for width in widths.values():
         parents = torch.arange(-1, width - 1, **as_long)[None]

@@ -267,7 +267,7 @@ def path_first_permutation(path: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def gather_tree_layout(
-    trees: DraftTrees | None,
+    tree_shapes: tuple[torch.Tensor, torch.Tensor] | None,
     tree_row: torch.Tensor,
     num_nodes: torch.Tensor,
     width: int,
@@ -275,21 +275,23 @@ def gather_tree_layout(
     """``(parents, depths)``, ``[R, width]`` with the root in column 0, of the
     trees a verify batch checks, gathered from the proposal on the device.
 
-    Row ``r`` verifies ``num_nodes[r]`` nodes (its root and a best-first
-    prefix of its drafts, so a valid tree): those of proposal row
-    ``tree_row[r]``, or, where that is ``-1`` (drafts not built as a tree),
-    a chain. Columns past ``num_nodes[r]`` are padding: parent ``-1``,
-    depth 0.
+    ``tree_shapes`` are a proposal's ``(parents, depths)`` (as in
+    :class:`DraftTrees`). Row ``r`` verifies ``num_nodes[r]`` nodes (its root
+    and a best-first prefix of its drafts, so a valid tree): those of
+    proposal row ``tree_row[r]``, or, where that is ``-1`` (drafts not built
+    as a tree), a chain. Columns past ``num_nodes[r]`` are padding: parent
+    ``-1``, depth 0.
     """
     device = tree_row.device
     node = torch.arange(width, device=device)
     parents = (node - 1).expand(tree_row.shape[0], width)
     depths = node.expand(tree_row.shape[0], width)
-    if trees is not None and width > 1:
+    if tree_shapes is not None and width > 1:
+        tree_parents, tree_depths = tree_shapes
         src = tree_row.clamp(min=0)
         root = torch.zeros_like(tree_row)[:, None]
-        tree_parents = torch.cat([root - 1, trees.parents[src, : width - 1]], dim=1)
-        tree_depths = torch.cat([root, trees.depths[src, : width - 1]], dim=1)
+        tree_parents = torch.cat([root - 1, tree_parents[src, : width - 1]], dim=1)
+        tree_depths = torch.cat([root, tree_depths[src, : width - 1]], dim=1)
         built = (tree_row >= 0)[:, None]
         parents = torch.where(built, tree_parents.long(), parents)
         depths = torch.where(built, tree_depths.long(), depths)

@@ -83,10 +83,10 @@ from vllm_ddtree.v1.worker.verify_plan import (
     compact_kv,
     depth_shift,
     kv_commit_plan,
-    path_first_order,
-    path_moves,
+    path_first_moves,
     stage_layout,
     tree_attention_info,
+    tree_rows_of,
 )
 
 logger = init_logger(f"vllm.{__name__}")
@@ -217,8 +217,12 @@ class DDTreeModelRunnerMixin:
             self.query_start_loc.np[1 : num_reqs + 1],
             extra=(tree_row,),
         )
+        trees = self._last_trees
         parents, depths = gather_tree_layout(
-            self._last_trees, layout.extra[0], layout.num_nodes, width
+            None if trees is None else (trees.parents, trees.depths),
+            layout.extra[0],
+            layout.num_nodes,
+            width,
         )
         linear_positions = self._shift_to_depth_positions(
             layout.total, layout.node_tokens, depth_shift(layout, depths)
@@ -234,7 +238,9 @@ class DDTreeModelRunnerMixin:
             + num_scheduled_tokens[:num_reqs]
             - num_nodes
         )
-        tree = tree_attention_info(layout, parents, self.seq_lens, ctx_len, max_depth)
+        tree = tree_attention_info(
+            layout, tree_rows_of(layout, parents, self.seq_lens), ctx_len, max_depth
+        )
         return VerifyPlan(layout, linear_positions, tree)
 
     def _shift_to_depth_positions(
@@ -322,13 +328,12 @@ class DDTreeModelRunnerMixin:
         if plan is None or walk is None:
             self.drafter.set_accepted_order(None)
             return
-        src_tokens, dst_tokens = path_moves(plan.layout, walk.path)
+        src_tokens, dst_tokens, order = path_first_moves(
+            plan.layout, walk.path, plan.linear_positions.shape[-1]
+        )
         self._compact_kv(src_tokens, dst_tokens)
         if plan.tree is not None and self.model_config.is_hybrid:
             self._commit_recurrent_state(plan.tree, walk)
-        order = path_first_order(
-            src_tokens, dst_tokens, plan.linear_positions.shape[-1]
-        )
         self.drafter.set_accepted_order(order, plan.linear_positions)
 
     def _compact_kv(self, src_tokens: torch.Tensor, dst_tokens: torch.Tensor) -> None:
@@ -588,6 +593,7 @@ class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
             self,
             lambda gid: self.input_batch.block_table[gid].get_device_tensor(1),
             SAMPLED_TOKEN_DTYPE,
+            restore_positions=False,
         )
 
 
@@ -596,14 +602,17 @@ def warm_up_tree_kernels(
     runner: Any,
     block_table_for: Callable[[int], torch.Tensor],
     sampled_dtype: torch.dtype,
+    restore_positions: bool,
 ) -> None:
     """Compile the Triton kernels of a DDTree step at start-up (the V1 and V2
     GPU runners): the tree cores (the walk writing rows of the runner's
-    ``sampled_dtype``), the tree attention once per distinct layer geometry
-    (``block_table_for(gid)``: a one-request block table of KV-cache group
-    ``gid``), the KV commit and, for hybrid targets, the tree GDN ops and the
-    recurrent-state commit. Otherwise each variant compiles (about a second)
-    the first time a tree size needs it, in the middle of serving."""
+    ``sampled_dtype``, the commit's moves putting positions back if the
+    runner has them do that: ``restore_positions``), the tree attention once
+    per distinct layer geometry (``block_table_for(gid)``: a one-request
+    block table of KV-cache group ``gid``), the KV commit and, for hybrid
+    targets, the tree GDN ops and the recurrent-state commit. Otherwise each
+    variant compiles (about a second) the first time a tree size needs it, in
+    the middle of serving."""
     # Imported here: the CPU runner shares this module and needs neither.
     from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
         FlashTreeAttentionImpl,
@@ -620,6 +629,7 @@ def warm_up_tree_kernels(
         min(cfg.budget, runner.model_config.get_vocab_size()),
         cfg.force_spine,
         sampled_dtype,
+        restore_positions,
     )
     forward_context = runner.compilation_config.static_forward_context
     done = set()
@@ -644,7 +654,7 @@ def warm_up_tree_kernels(
     zero = torch.zeros(1, dtype=torch.int64, device=device)
     for _, commit in runner._kv_commit_plan().values():
         if commit is not None:
-            commit(zero, zero)  # slot 0 (vLLM's null block) onto itself
+            commit(zero, zero, zero)  # slot 0 (vLLM's null block) onto itself
     if runner.model_config.is_hybrid:
         warm_up_tree_gdn(
             [

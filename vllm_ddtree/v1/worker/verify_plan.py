@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from vllm_ddtree.v1.attention.backends.tree_attn import TreeAttentionInfo
 from vllm_ddtree.v1.sample.tree_rejection_sampler import VerifyRows
-from vllm_ddtree.v1.spec_decode.tree import path_first_permutation
+from vllm_ddtree.v1.spec_decode.tree import gather_tree_layout, path_first_permutation
 from vllm_ddtree.v1.worker.host_staging import HostStaging
 
 
@@ -33,11 +33,13 @@ class StagedLayout:
 
     Device tensors: ``num_nodes``, ``root_index`` (batch token of each root);
     ``node_tokens`` / ``node_rows`` / ``node_ids`` list every non-root node,
-    flattened, as batch token, request row and node index; ``tree_rows`` are
-    the rows with drafts, with their ``tree_nodes`` and ``tree_q_start``;
-    ``rows`` the sampler's maps; ``extra`` any arrays the caller added to the
-    copy. ``width`` is the widest row, ``total`` the batch's token count; the
-    ``host_*`` arrays are what the tree attention info needs on the host.
+    flattened, as batch token, request row and node index (``draft_start``:
+    each row's first entry there); ``tree_rows`` are the rows with drafts,
+    with their ``tree_nodes`` and ``tree_q_start`` (``tree_index``: each
+    row's index among them, ``-1`` for none); ``rows`` the sampler's maps;
+    ``extra`` any arrays the caller added to the copy. ``width`` is the
+    widest row, ``total`` the batch's token count; the ``host_*`` arrays are
+    what the tree attention info needs on the host.
     """
 
     num_nodes: torch.Tensor
@@ -45,9 +47,11 @@ class StagedLayout:
     node_tokens: torch.Tensor
     node_rows: torch.Tensor
     node_ids: torch.Tensor
+    draft_start: torch.Tensor
     tree_rows: torch.Tensor
     tree_nodes: torch.Tensor
     tree_q_start: torch.Tensor
+    tree_index: torch.Tensor
     rows: VerifyRows
     extra: list[torch.Tensor]
     width: int
@@ -70,24 +74,29 @@ def stage_layout(
     root_index = query_end - num_nodes
     rows_host = VerifyRows.host_arrays(num_nodes - 1)
     node_rows, node_ids = np.nonzero(rows_host[3])
-    tree_rows = np.nonzero(num_nodes > 1)[0]
+    num_drafts = num_nodes - 1
+    tree_rows = np.nonzero(num_drafts > 0)[0]
+    tree_index = np.full(len(num_nodes), -1, dtype=np.int64)
+    tree_index[tree_rows] = np.arange(len(tree_rows))
     uploaded = staging.upload(
         num_nodes,
         root_index,
         root_index[node_rows] + node_ids,
         node_rows,
         node_ids,
+        np.cumsum(num_drafts) - num_drafts,
         tree_rows,
         num_nodes[tree_rows],
         root_index[tree_rows],
+        tree_index,
         *rows_host,
         *extra,
     )
-    num_rows = len(rows_host)
+    num_fields, num_rows = 10, len(rows_host)
     return StagedLayout(
-        *uploaded[:8],
-        rows=VerifyRows.from_device(uploaded[8 : 8 + num_rows]),
-        extra=uploaded[8 + num_rows :],
+        *uploaded[:num_fields],
+        rows=VerifyRows.from_device(uploaded[num_fields : num_fields + num_rows]),
+        extra=uploaded[num_fields + num_rows :],
         width=int(num_nodes.max()),
         total=int(query_end[-1]),
         host_num_nodes=num_nodes,
@@ -96,29 +105,101 @@ def stage_layout(
     )
 
 
-def tree_attention_info(
-    layout: StagedLayout,
-    parents: torch.Tensor,
-    seq_lens: torch.Tensor,
-    ctx_len_bound: np.ndarray,
-    max_depth: int,
-) -> TreeAttentionInfo | None:
-    """The tree rows of the batch for the tree attention backends; ``None``
-    without any. ``seq_lens`` are the device's sequence lengths (tree
-    included); ``ctx_len_bound`` the host's bounds of the contexts (under
-    async scheduling the host counts every draft of the last step as
-    accepted)."""
-    tree_rows = layout.host_tree_rows
-    if not len(tree_rows):
-        return None
+@dataclass
+class TreeRows:
+    """The tree rows of a verify batch (its requests with drafts, in batch
+    order) as the tree attention backends take them: batch row, root token,
+    node count and context length (``[T]`` int32) and ``parents [T, W]``."""
+
+    req_rows: torch.Tensor
+    q_start: torch.Tensor
+    num_nodes: torch.Tensor
+    ctx_len: torch.Tensor
+    parents: torch.Tensor
+
+
+def tree_rows_of(
+    layout: StagedLayout, parents: torch.Tensor, seq_lens: torch.Tensor
+) -> TreeRows:
+    """The tree rows of a batch with row parents ``[R, W]``; ``seq_lens``
+    are the device's sequence lengths (tree included)."""
     i32 = torch.int32
-    counts = layout.host_num_nodes[tree_rows]
-    return TreeAttentionInfo(
+    return TreeRows(
         req_rows=layout.tree_rows.to(i32),
         q_start=layout.tree_q_start.to(i32),
         num_nodes=layout.tree_nodes.to(i32),
         ctx_len=seq_lens[layout.tree_rows] - layout.tree_nodes.to(i32),
         parents=parents[layout.tree_rows],
+    )
+
+
+def lay_out_trees(
+    layout: StagedLayout,
+    tree_shapes: tuple[torch.Tensor, torch.Tensor],
+    tree_row: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple[torch.Tensor, TreeRows]:
+    """Every row's ``parents [R, W]`` (root column and padding ``-1``) and
+    the batch's :class:`TreeRows`, from the proposal trees ``tree_shapes``
+    (``(parents, depths)`` as in :class:`DraftTrees`, row ``tree_row[r]``
+    for batch row ``r``, ``-1``: a chain; see :func:`gather_tree_layout`).
+    Moves every node's ``positions`` (``[tokens]``, linear on entry) to its
+    root's position plus its depth, in place."""
+    if positions.is_cuda:
+        # Imported here: only GPU processes need Triton.
+        from vllm_ddtree.v1.ops.triton_verify_step import lay_out_trees_triton
+
+        parents, rows = lay_out_trees_triton(
+            tree_row,
+            *tree_shapes,
+            layout.num_nodes,
+            layout.root_index,
+            positions,
+            layout.tree_index,
+            seq_lens,
+            len(layout.host_tree_rows),
+            layout.width,
+        )
+        return parents, TreeRows(*rows)
+    return lay_out_trees_torch(layout, tree_shapes, tree_row, positions, seq_lens)
+
+
+def lay_out_trees_torch(
+    layout: StagedLayout,
+    tree_shapes: tuple[torch.Tensor, torch.Tensor],
+    tree_row: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple[torch.Tensor, TreeRows]:
+    """:func:`lay_out_trees` in torch operations (any device)."""
+    parents, depths = gather_tree_layout(
+        tree_shapes, tree_row, layout.num_nodes, layout.width
+    )
+    positions[layout.node_tokens] += depth_shift(layout, depths)
+    return parents, tree_rows_of(layout, parents, seq_lens)
+
+
+def tree_attention_info(
+    layout: StagedLayout,
+    rows: TreeRows,
+    ctx_len_bound: np.ndarray,
+    max_depth: int,
+) -> TreeAttentionInfo | None:
+    """The tree rows of the batch for the tree attention backends; ``None``
+    without any. ``ctx_len_bound`` are the host's bounds of the contexts
+    (under async scheduling the host counts every draft of the last step as
+    accepted)."""
+    tree_rows = layout.host_tree_rows
+    if not len(tree_rows):
+        return None
+    counts = layout.host_num_nodes[tree_rows]
+    return TreeAttentionInfo(
+        req_rows=rows.req_rows,
+        q_start=rows.q_start,
+        num_nodes=rows.num_nodes,
+        ctx_len=rows.ctx_len,
+        parents=rows.parents,
         max_depth=max_depth,
         req_rows_cpu=tree_rows.tolist(),
         q_start_cpu=layout.host_root_index[tree_rows].tolist(),
@@ -138,33 +219,66 @@ def depth_shift(layout: StagedLayout, depths: torch.Tensor) -> torch.Tensor:
 class VerifyPlan:
     """A verify step's layout, kept from input preparation to the commit.
     ``linear_positions`` are the batch's positions before the depth rewrite
-    (``[3, tokens]`` for M-RoPE targets, else ``[tokens]``)."""
+    (``[3, tokens]`` for M-RoPE targets, else ``[tokens]``), where the
+    runner keeps a copy."""
 
     layout: StagedLayout
-    linear_positions: torch.Tensor
+    linear_positions: torch.Tensor | None
     tree: TreeAttentionInfo | None
 
 
-def path_moves(
-    layout: StagedLayout, path: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(src, dst)`` batch tokens: the node at ``src[i]`` belongs at
-    ``dst[i]`` once every request's accepted path (``path``, the walk's) is
-    put first, the rejected nodes after it in node order."""
+def path_first_moves(
+    layout: StagedLayout,
+    path: torch.Tensor,
+    num_tokens: int,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Put every request's accepted path (``path``, the walk's) first, the
+    rejected nodes after it in node order. Returns ``(src, dst, order)``:
+    the node at batch token ``src[i]`` belongs at ``dst[i]`` (one entry per
+    non-root node), and ``order[i]`` (``[num_tokens]``, at least the batch)
+    is the batch token whose data goes to token ``i`` (tokens outside trees
+    stay). With ``positions`` (``[tokens]``, depth positions) the nodes get
+    their linear positions back, in place."""
+    if not path.is_cuda:
+        return path_first_moves_torch(layout, path, num_tokens, positions)
+    # Imported here: only GPU processes need Triton.
+    from vllm_ddtree.v1.ops.triton_verify_step import path_first_moves_triton
+
+    order = torch.arange(num_tokens, device=path.device)
+    src, dst = path_first_moves_triton(
+        path,
+        layout.num_nodes,
+        layout.root_index,
+        layout.draft_start,
+        layout.node_tokens.shape[0],
+        layout.width,
+        order,
+        positions,
+    )
+    return src, dst, order
+
+
+def path_first_moves_torch(
+    layout: StagedLayout,
+    path: torch.Tensor,
+    num_tokens: int,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`path_first_moves` in torch operations (any device)."""
+    order = torch.arange(num_tokens, device=path.device)
     perm = path_first_permutation(path, layout.width)
+    # Each node's place in the path-first order (perm's inverse).
+    place = torch.empty_like(perm).scatter_(
+        1, perm, torch.arange(layout.width, device=perm.device).expand_as(perm)
+    )
     rows = layout.node_rows
-    src = layout.root_index[rows] + perm[rows, layout.node_ids]
-    return src, layout.node_tokens
-
-
-def path_first_order(
-    src: torch.Tensor, dst: torch.Tensor, num_tokens: int
-) -> torch.Tensor:
-    """``order[i]``: the batch token whose data goes to token ``i`` (the
-    accepted path first; tokens outside trees stay)."""
-    order = torch.arange(num_tokens, device=src.device)
+    roots = layout.root_index[rows]
+    src, dst = layout.node_tokens, roots + place[rows, layout.node_ids]
     order[dst] = src
-    return order
+    if positions is not None:
+        positions[src] = positions[roots] + layout.node_ids
+    return src, dst, order
 
 
 KVCommitPlan = dict[int, tuple[list, Callable | None]]
@@ -199,12 +313,13 @@ def compact_kv(
 ) -> None:
     """Move the KV of batch token ``src_tokens[i]`` to the slot of token
     ``dst_tokens[i]`` in every layer of ``plan`` (``slot_mapping(gid)``: the
-    step's slot of every batch token in KV-cache group ``gid``)."""
+    step's slot of every batch token in KV-cache group ``gid``); the moves
+    permute their slots (:func:`path_first_moves`'s do)."""
     for gid, (layers, commit) in plan.items():
         slots = slot_mapping(gid)
-        src, dst = slots[src_tokens], slots[dst_tokens]
         if commit is not None:
-            commit(src, dst)
+            commit(slots, src_tokens, dst_tokens)
             continue
+        src, dst = slots[src_tokens], slots[dst_tokens]
         for impl, kv_cache in layers:
             impl.copy_kv_slots(kv_cache, src, dst)

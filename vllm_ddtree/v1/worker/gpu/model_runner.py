@@ -36,7 +36,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import publish_tree
-from vllm_ddtree.v1.spec_decode.tree import WalkResult, gather_tree_layout
+from vllm_ddtree.v1.spec_decode.tree import WalkResult
 from vllm_ddtree.v1.worker.ddtree_model_runner import (
     DDTreeModelRunnerMixin,
     patched_attribute,
@@ -55,10 +55,9 @@ from vllm_ddtree.v1.worker.verify_plan import (
     KVCommitPlan,
     VerifyPlan,
     compact_kv,
-    depth_shift,
     kv_commit_plan,
-    path_first_order,
-    path_moves,
+    lay_out_trees,
+    path_first_moves,
     stage_layout,
     tree_attention_info,
 )
@@ -113,24 +112,20 @@ class DDTreeV2ModelRunner(GPUModelRunner):
             input_batch.query_start_loc_np[1 : num_reqs + 1],
         )
         max_depth = min(self.ddtree.max_depth, layout.width - 1)
-        parents, depths = gather_tree_layout(
-            self.speculator.req_trees,
-            input_batch.idx_mapping.long(),
-            layout.num_nodes,
-            layout.width,
+        parents, tree_rows = lay_out_trees(
+            layout,
+            self.speculator.req_tree_shapes,
+            input_batch.idx_mapping,
+            self.input_buffers.positions,
+            input_batch.seq_lens,
         )
-        positions = self.input_buffers.positions
-        linear_positions = positions[: layout.total].clone()
-        positions[layout.node_tokens] += depth_shift(layout, depths)
         self.rejection_sampler.step = TreeWalkInput(parents, layout.rows, max_depth)
         ctx_len = (
             input_batch.seq_lens_cpu_upper_bound[:num_reqs].numpy().astype(np.int64)
             - num_nodes
         )
-        tree = tree_attention_info(
-            layout, parents, input_batch.seq_lens, ctx_len, max_depth
-        )
-        return VerifyPlan(layout, linear_positions, tree)
+        tree = tree_attention_info(layout, tree_rows, ctx_len, max_depth)
+        return VerifyPlan(layout, None, tree)
 
     # -- step 5: commit the accepted path -----------------------------------
 
@@ -139,25 +134,25 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         plan, self._plan = self._plan, None
         walk, self.rejection_sampler.last_walk = self.rejection_sampler.last_walk, None
         if plan is not None and walk is not None:
-            self._commit_path(plan, walk)
+            self._commit_path(plan, walk, input_batch.num_tokens_after_padding)
         return result
 
-    def _commit_path(self, plan: VerifyPlan, walk: WalkResult) -> None:
+    def _commit_path(self, plan: VerifyPlan, walk: WalkResult, num_tokens: int) -> None:
         """Move the accepted paths' KV to consecutive slots, put the linear
-        positions back and hand the speculator the path-first token order.
-        Runs before the speculator: it writes its own query slots into the
-        same slot-mapping buffer the compaction reads."""
-        src_tokens, dst_tokens = path_moves(plan.layout, walk.path)
+        positions back and hand the speculator the path-first order of the
+        batch's ``num_tokens`` (padded) tokens. Runs before the speculator:
+        it writes its own query slots into the same slot-mapping buffer the
+        compaction reads."""
+        src_tokens, dst_tokens, order = path_first_moves(
+            plan.layout, walk.path, num_tokens, self.input_buffers.positions
+        )
         compact_kv(
             self._kv_commit_plan(),
             lambda gid: self.block_tables.slot_mappings[gid],
             src_tokens,
             dst_tokens,
         )
-        self.input_buffers.positions[: plan.layout.total] = plan.linear_positions
-        self.speculator.set_accepted_order(
-            path_first_order(src_tokens, dst_tokens, plan.layout.total)
-        )
+        self.speculator.set_accepted_order(order)
 
     def _kv_commit_plan(self) -> KVCommitPlan:
         if self._kv_commits is None:
@@ -175,6 +170,7 @@ class DDTreeV2ModelRunner(GPUModelRunner):
             self,
             lambda gid: self.block_tables.input_block_tables[gid][:1],
             SAMPLED_TOKEN_DTYPE,
+            restore_positions=True,
         )
 
     # The same sizes decide whether V2 captures, and schedules, a full batch

@@ -13,7 +13,8 @@ precompute and CUDA graphs stay vLLM's). Three things change:
   best-first trees in one Triton launch, on the device, inside the graph.
   ``propose`` returns every tree's ``B`` node tokens, which the runner stores
   as the request's draft tokens, and keeps each request's parents and depths
-  (indexed by its request-state slot) for the next verify step.
+  (indexed by its request-state slot, side by side so that one copy stores
+  them) for the next verify step.
 * After a tree-verify step the accepted path is not at the head of a
   request's token range: the runner hands over a permutation of the target
   tokens (:meth:`set_accepted_order`) that puts it there, so DFlash's
@@ -53,12 +54,26 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.sample_col = torch.arange(depth, dtype=torch.int32, device=device).repeat(
             self.max_num_reqs
         )
-        # The last proposal's trees, by batch row (written inside the graph).
-        self.trees = _empty_trees(self.max_num_reqs, budget, device)
-        # Each request's current tree, by request-state slot: what the next
-        # verify step of that request checks.
-        self.req_trees = _empty_trees(self.max_num_reqs, budget, device)
+        self._init_tree_buffers(self.max_num_reqs, budget, device)
         self._accepted_order: torch.Tensor | None = None
+
+    def _init_tree_buffers(
+        self, num_rows: int, budget: int, device: torch.device
+    ) -> None:
+        # The last proposal's trees, by batch row (written inside the graph);
+        # their parents and depths are views of ``tree_shapes [rows, 2, B]``.
+        self.tree_shapes = torch.zeros(
+            num_rows, 2, budget, dtype=torch.int64, device=device
+        )
+        self.trees = DraftTrees(
+            tokens=torch.zeros(num_rows, budget, dtype=torch.int64, device=device),
+            parents=self.tree_shapes[:, 0],
+            depths=self.tree_shapes[:, 1],
+            scores=torch.zeros(num_rows, budget, device=device),
+        )
+        # Each request's current tree's (parents, depths), by request-state
+        # slot: what the next verify step of that request checks.
+        self._req_tree_shapes = torch.zeros_like(self.tree_shapes)
 
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
         # Under ``num_speculative_tokens_per_batch_size`` vLLM's graph manager
@@ -76,9 +91,16 @@ class DDTreeSpeculator(DFlashSpeculator):
         finally:
             spec.num_speculative_tokens_per_batch_size = schedule
 
+    @property
+    def req_tree_shapes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(parents, depths)`` ``[slots, B]`` of each request's current
+        tree, by request-state slot."""
+        return self._req_tree_shapes[:, 0], self._req_tree_shapes[:, 1]
+
     def set_accepted_order(self, token_order: torch.Tensor | None) -> None:
         """``token_order[i]`` is the target token whose hidden states go to
-        slot ``i`` in the next :meth:`propose`; ``None``: keep vLLM's order."""
+        slot ``i`` in the next :meth:`propose` (for at least the batch's
+        tokens); ``None``: keep vLLM's order."""
         self._accepted_order = token_order
 
     def _generate_draft(
@@ -131,31 +153,19 @@ class DDTreeSpeculator(DFlashSpeculator):
             **kwargs,
         )
         num_reqs = input_batch.num_reqs
-        slots = input_batch.idx_mapping.long()
-        for name in _TREE_FIELDS:
-            getattr(self.req_trees, name)[slots] = getattr(self.trees, name)[:num_reqs]
+        self._req_tree_shapes[input_batch.idx_mapping] = self.tree_shapes[:num_reqs]
         return self.trees.tokens[:num_reqs]
 
 
 _TREE_FIELDS = ("tokens", "parents", "depths", "scores")
 
 
-def _empty_trees(num_rows: int, budget: int, device: torch.device) -> DraftTrees:
-    def zeros(dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(num_rows, budget, dtype=dtype, device=device)
-
-    return DraftTrees(
-        tokens=zeros(torch.int64),
-        parents=zeros(torch.int64),
-        depths=zeros(torch.int64),
-        scores=zeros(torch.float32),
-    )
-
-
 def _permute_head(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """``rows`` with its first ``len(order)`` rows permuted by ``order`` (the
-    rest, CUDA-graph padding, unchanged)."""
+    rest, CUDA-graph padding, unchanged). An order at least as long as
+    ``rows`` (one over the padded batch, which only moves real tokens) is a
+    single gather."""
     n = order.shape[0]
-    if rows.shape[0] == n:
-        return rows[order]
+    if n >= rows.shape[0]:
+        return rows.index_select(0, order[: rows.shape[0]])
     return torch.cat([rows[:n][order], rows[n:]])

@@ -1,0 +1,190 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The runner's one-launch tree lay-out and path-first moves equal their
+torch forms (CPU, Triton's interpreter).
+
+Like ``test_triton_tree_cores.py``, the kernels run under
+``TRITON_INTERPRET=1`` in one subprocess (this file with ``--worker``), which
+prints one JSON line per case. Batches mix full trees, best-first prefixes,
+chains (rows whose drafts were not built as trees), prefill rows and
+CUDA-graph padding after the batch; the oracle is
+:func:`~vllm_ddtree.v1.worker.verify_plan.lay_out_trees_torch` and
+:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_moves_torch`, tested
+against hand-made layouts in ``test_v2_runner_plan.py``. The GPU test suite
+runs the same comparison on the device (``tests/gpu``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.utils import interpreted_case, interpreter_fixture, print_case
+
+# name -> (budget, max depth, rows as (kind, nodes or query length), seed);
+# kinds: "tree" (a slot's tree, cut to its nodes), "chain", "prefill".
+CASES: dict[str, tuple[int, int, list[tuple[str, int]], int]] = {
+    "one-full-tree": (8, 15, [("tree", 9)], 0),
+    "mixed": (
+        8,
+        4,
+        [("tree", 9), ("prefill", 5), ("tree", 4), ("chain", 6), ("tree", 1)],
+        1,
+    ),
+    "budget-64": (64, 15, [("tree", 65), ("tree", 65), ("tree", 30)], 2),
+    "budget-256": (256, 15, [("prefill", 3), ("tree", 257)], 4),
+}
+NUM_SLOTS, PADDING = 6, 3
+
+
+def _case(
+    budget: int,
+    max_depth: int,
+    rows: list[tuple[str, int]],
+    seed: int,
+    device: str,
+):
+    """The layout, trees by slot and step inputs of one case, on ``device``."""
+    from vllm_ddtree.v1.spec_decode.tree import build_trees
+    from vllm_ddtree.v1.worker.host_staging import HostStaging
+    from vllm_ddtree.v1.worker.verify_plan import stage_layout
+
+    g = torch.Generator().manual_seed(seed)
+    # Peaked drafts make deep trees.
+    logprobs = 5 * torch.randn(NUM_SLOTS, max_depth, budget, generator=g)
+    values, order = logprobs.log_softmax(-1).sort(dim=-1, descending=True)
+    trees = build_trees(values, order + 1, budget)
+    num_nodes = np.array([1 if k == "prefill" else n for k, n in rows])
+    query_lens = np.array([n for _, n in rows])
+    slots = torch.randperm(NUM_SLOTS, generator=g)[: len(rows)]
+    tree_row = torch.where(torch.tensor([k == "chain" for k, _ in rows]), -1, slots).to(
+        torch.int32
+    )
+    layout = stage_layout(HostStaging(device), num_nodes, np.cumsum(query_lens))
+    context = torch.randint(0, 50, (len(rows),), generator=g)
+    positions = torch.cat(
+        [c + torch.arange(q) for c, q in zip(context.tolist(), query_lens, strict=True)]
+    )
+    positions = torch.cat([positions, torch.zeros(PADDING, dtype=torch.long)])
+    seq_lens = (context + torch.from_numpy(query_lens)).to(torch.int32)
+    on_device = (tree_row, positions, seq_lens)
+    return trees, layout, *(t.to(device) for t in on_device), g
+
+
+def _walk(trees, tree_row, layout, parents, max_depth, g):
+    """The walk (on the host) over the laid-out trees with targets that
+    mostly follow a child (the root's always)."""
+    from vllm_ddtree.v1.spec_decode.tree import walk_trees
+
+    tree_row, parents = tree_row.cpu(), parents.cpu()
+    num_rows, width = parents.shape
+    tokens = torch.full((num_rows, width), -1, dtype=torch.long)
+    for r, row in enumerate(tree_row.tolist()):
+        n = int(layout.num_nodes[r])
+        if n > 1:
+            node_tokens = trees.tokens[max(row, 0), : n - 1]
+            tokens[r, 1:n] = node_tokens if row >= 0 else 1 + torch.arange(n - 1)
+    target = torch.full((num_rows, width), 9999, dtype=torch.long)
+    for r in range(num_rows):
+        for i in range(width):
+            kids = (parents[r] == i).nonzero().flatten()
+            follow = i == 0 or torch.rand(1, generator=g).item() < 0.95
+            if len(kids) and follow:
+                pick = kids[torch.randint(0, len(kids), (1,), generator=g)]
+                target[r, i] = tokens[r, pick]
+    return walk_trees(tokens, parents, layout.num_nodes.cpu(), target, max_depth)
+
+
+def compare(name: str, device: str = "cpu") -> dict:
+    """The kernels' results next to the torch forms' for case ``name``."""
+    from vllm_ddtree.v1.ops.triton_verify_step import (
+        lay_out_trees_triton,
+        path_first_moves_triton,
+    )
+    from vllm_ddtree.v1.worker.verify_plan import (
+        lay_out_trees_torch,
+        path_first_moves_torch,
+    )
+
+    budget, max_depth, rows, seed = CASES[name]
+    trees, layout, tree_row, positions, seq_lens, g = _case(
+        budget, max_depth, rows, seed, device
+    )
+    shapes = (trees.parents.to(device), trees.depths.to(device))
+    ref_positions = positions.clone()
+    ref_parents, ref_rows = lay_out_trees_torch(
+        layout, shapes, tree_row, ref_positions, seq_lens
+    )
+    got_positions = positions.clone()
+    got_parents, got_rows = lay_out_trees_triton(
+        tree_row,
+        *shapes,
+        layout.num_nodes,
+        layout.root_index,
+        got_positions,
+        layout.tree_index,
+        seq_lens,
+        len(layout.host_tree_rows),
+        layout.width,
+    )
+    fields = ("req_rows", "q_start", "num_nodes", "ctx_len", "parents")
+    res = {
+        "parents_equal": torch.equal(got_parents, ref_parents),
+        "positions_equal": torch.equal(got_positions, ref_positions),
+        "depth_moved": not torch.equal(ref_positions, positions),
+        "rows_equal": {
+            f: torch.equal(got, getattr(ref_rows, f))
+            for f, got in zip(fields, got_rows, strict=True)
+        },
+    }
+    walk = _walk(trees, tree_row, layout, ref_parents, max_depth, g)
+    path = walk.path.to(device)
+    num_tokens = positions.shape[0]
+    ref = path_first_moves_torch(layout, path, num_tokens, ref_positions)
+    order = torch.arange(num_tokens, device=device)
+    got = path_first_moves_triton(
+        path,
+        layout.num_nodes,
+        layout.root_index,
+        layout.draft_start,
+        layout.node_tokens.shape[0],
+        layout.width,
+        order,
+        got_positions,
+    )
+    res.update(
+        moves_equal=torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]),
+        order_equal=torch.equal(order, ref[2]),
+        restored=torch.equal(got_positions, positions)
+        and torch.equal(ref_positions, positions),
+        max_accepted=int(walk.num_accepted.max()),
+    )
+    return res
+
+
+def _worker() -> None:
+    for name in CASES:
+        try:
+            res = compare(name)
+        except Exception as exc:
+            res = {"error": repr(exc)}
+        print_case(name, res)
+
+
+interp_results = interpreter_fixture(__file__, timeout=600)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_verify_step_kernels_interpreted(interp_results, name):
+    rec = interpreted_case(interp_results, name)
+    assert rec["parents_equal"] and rec["positions_equal"], rec
+    assert all(rec["rows_equal"].values()), rec
+    assert rec["moves_equal"] and rec["order_equal"] and rec["restored"], rec
+    # The cases move nodes: deep trees and walks that accept several nodes.
+    assert rec["depth_moved"] and rec["max_accepted"] >= 2, rec
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker()
