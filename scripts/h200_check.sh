@@ -55,6 +55,8 @@
 #                                         # async-scheduled, a table of its own (~9 min)
 #   bash scripts/h200_check.sh e2e-async-v2  # + DDTree B=64 on the V2 runner, same table
 #                                            # (E2E_SCHEDULE: trees sized by batch size)
+#   bash scripts/h200_check.sh train-e2e-async-v2  # a 3-minute pair and all three
+#                                            # async rows in one call (E2E_BATCH_SIZES)
 # (train and e2e, e2e-8b and its -flash / -v1 additions run back to back: /tmp survives
 # only while the machine stays warm.)
 # Every engine runs in a process of its own (in-process engines neither free
@@ -63,7 +65,7 @@
 # most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|cores|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-8b-async-v2|e2e-hybrid|e2e-qwen35|e2e-30b|profile|profile-pair|train|train-e2e|e2e|e2e-more|e2e-async|e2e-async-v2}
+mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|cores|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-8b-async-v2|e2e-hybrid|e2e-qwen35|e2e-30b|profile|profile-pair|train|train-e2e|train-e2e-async-v2|e2e|e2e-more|e2e-async|e2e-async-v2}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -209,7 +211,7 @@ train_pair() {  # MINUTES LIMIT: the h200 preset into /tmp/pair-h200
 # without graphs in the first run, 2026-12-04).
 e2e_pair() {
   step "$2-${3//,/+}-${4//,/+}" "$1" python3 benchmarks/bench_e2e.py --pair /tmp/pair-h200 \
-    --out "/tmp/$2" --methods "$3" --budgets "$4" --batch-sizes 1,16,64 \
+    --out "/tmp/$2" --methods "$3" --budgets "$4" --batch-sizes "${E2E_BATCH_SIZES:-1,16,64}" \
     --size-for-budget "${E2E_SIZE:-256}" --max-cudagraph-capture-size "${E2E_CAPTURE:-4160}" \
     --temperatures 0,1 --job-timeout 240 "${@:5}"
   e2e_report "$2"
@@ -438,6 +440,13 @@ e2e-async-v2)
   # E2E_SCHEDULE (e.g. 1-1:64,2-1024:15) sizes its trees by batch size.
   e2e_pair 560 e2e-h200-async "${E2E_METHODS:-ddtree-v2}" 64 --async-scheduling \
     --fixed-budget ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"}
+  ;;
+train-e2e-async-v2)
+  # A 3-minute pair, then no-spec, DFlash and DDTree on the V2 runner, all
+  # async, in one call (E2E_BATCH_SIZES, e.g. 1,16, keeps it inside 600 s).
+  train_pair "${TRAIN_MINUTES:-3}" $((${TRAIN_MINUTES:-3} * 60 + 60))
+  e2e_pair $((585 - SECONDS)) e2e-h200-async nospec,dflash,ddtree-v2 64 \
+    --async-scheduling --fixed-budget ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"}
   ;;
 caches)
   # Triton loads a cached kernel from its metadata and binary; the

@@ -88,7 +88,11 @@ def lay_out_trees_triton(
     num_reqs = tree_row.shape[0]
     device = tree_row.device
     parents = torch.empty(num_reqs, width, dtype=torch.long, device=device)
-    rows = torch.empty(4, num_trees, dtype=torch.int32, device=device)
+    # Each int32 row on a 16-byte boundary, as a fresh allocation would be:
+    # Triton specialises the kernels that read them (the tree attention, the
+    # ancestor masks) on their pointers' alignment.
+    rows = torch.empty(4, -(-num_trees // 4) * 4, dtype=torch.int32, device=device)
+    rows = rows[:, :num_trees]
     tree_parents_out = torch.empty(num_trees, width, dtype=torch.long, device=device)
     if num_reqs:
         _lay_out_kernel[(num_reqs,)](
