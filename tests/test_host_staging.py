@@ -51,3 +51,27 @@ def test_verify_rows_maps():
     ]
     assert rows.draft_rows[rows.is_draft].tolist() == [0, 1, 2]
     assert rows.node_req.tolist() == [0, 0, 0, 1, 2, 2]
+
+
+def test_layout_stager_reuses_a_repeated_layout():
+    """A layout staged again (steady decoding) is the one staged before,
+    without a second upload; other counts, offsets or extra arrays are new
+    layouts; the oldest goes past the capacity."""
+    from vllm_ddtree.v1.worker.verify_plan import LayoutStager
+
+    stager = LayoutStager("cpu", capacity=2)
+    uploads = []
+    upload = stager.staging.upload
+    stager.staging.upload = lambda *arrays: uploads.append(1) or upload(*arrays)
+    nodes, ends = np.array([3, 1]), np.array([3, 5])
+    first = stager(nodes, ends)
+    assert stager(nodes.copy(), ends.copy()) is first and len(uploads) == 1
+    assert first.num_nodes.tolist() == [3, 1] and first.total == 5
+    others = [
+        stager(np.array([2, 1]), np.array([2, 4])),  # other counts
+        stager(nodes, np.array([3, 6])),  # other offsets
+        stager(nodes, ends, extra=(np.array([0, -1]),)),  # other extra array
+    ]
+    assert len(uploads) == 4 and all(o is not first for o in others)
+    assert stager(nodes, ends) is not first  # evicted (capacity 2)
+    assert len(uploads) == 5

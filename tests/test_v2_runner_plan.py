@@ -19,7 +19,7 @@ import torch
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.v1.spec_decode.tree import DraftTrees, WalkResult
 from vllm_ddtree.v1.worker.gpu.model_runner import DDTreeV2ModelRunner
-from vllm_ddtree.v1.worker.host_staging import HostStaging
+from vllm_ddtree.v1.worker.verify_plan import LayoutStager
 
 # Request-state slot 2: root + nodes 1..4 with parents 0, 0, 1, 3 (depths 1,
 # 1, 2, 3); slot 0: a prefill row (no drafts) between the two trees; slot 1:
@@ -47,7 +47,7 @@ def _runner() -> tuple[DDTreeV2ModelRunner, SimpleNamespace]:
         trees.depths[slot, : len(depths)] = torch.tensor(depths)
     runner = DDTreeV2ModelRunner.__new__(DDTreeV2ModelRunner)
     runner.ddtree = DDTreeConfig(budget=budget, max_depth=15, adaptive_budget=False)
-    runner.host_staging = HostStaging("cpu")
+    runner.layouts = LayoutStager("cpu")
     runner.speculator = SimpleNamespace(
         req_tree_shapes=(trees.parents, trees.depths), order=None
     )

@@ -17,7 +17,8 @@ One DDTree step, as it flows through the overridden runner methods:
    tree's ancestor masks are prepared (:class:`VerifyPlan`). The trees'
    layout is gathered on the device from the last proposal; the index
    arrays the host derives from the scheduler's counts go to the device
-   here, in one non-blocking copy (:class:`HostStaging`).
+   here, in one non-blocking copy (:class:`LayoutStager`, which reuses them
+   while the layout repeats).
 4. ``_build_attention_metadata``: the plan's tree is published to the tree
    attention backend while vLLM builds the target's metadata.
 5. Forward; the tree sampler picks the target's token at every node and
@@ -71,7 +72,6 @@ from vllm_ddtree.v1.spec_decode.tree import (
     DraftTrees,
     gather_tree_layout,
 )
-from vllm_ddtree.v1.worker.host_staging import HostStaging
 from vllm_ddtree.v1.worker.tree_mamba_utils import (
     aligned_state_targets,
     keep_accepted_counts,
@@ -79,12 +79,12 @@ from vllm_ddtree.v1.worker.tree_mamba_utils import (
 )
 from vllm_ddtree.v1.worker.verify_plan import (
     KVCommitPlan,
+    LayoutStager,
     VerifyPlan,
     compact_kv,
     depth_shift,
     kv_commit_plan,
     path_first_moves,
-    stage_layout,
     tree_attention_info,
     tree_rows_of,
 )
@@ -162,7 +162,7 @@ class DDTreeModelRunnerMixin:
         self._last_trees: DraftTrees | None = None
         self._tree_rows: dict[str, int] = {}
         self._plan: VerifyPlan | None = None
-        self.host_staging = HostStaging(self.device)
+        self.layouts = LayoutStager(self.device)
         # Set by measure_verify_latency() once the engine is warmed up.
         self.verify_latency: LatencyModel | None = None
         self.full_graph_latency: LatencyModel | None = None
@@ -211,8 +211,7 @@ class DDTreeModelRunnerMixin:
         has_chain = bool(np.any((tree_row < 0) & (num_nodes > 1)))
         width = int(num_nodes.max())
         max_depth = width - 1 if has_chain else min(self.ddtree.max_depth, width - 1)
-        layout = stage_layout(
-            self.host_staging,
+        layout = self.layouts(
             num_nodes,
             self.query_start_loc.np[1 : num_reqs + 1],
             extra=(tree_row,),

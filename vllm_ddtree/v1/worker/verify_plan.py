@@ -5,14 +5,23 @@ by the DDTree runners on vLLM's V1 and V2 model runners.
 A verify batch holds, per request, a root and a best-first prefix of its
 tree's nodes as consecutive tokens (vLLM schedules them as draft tokens).
 :func:`stage_layout` derives the index arrays of that layout on the host from
-the scheduler's counts and sends them in one copy; the runners add the
-trees' parents (gathered on the device) to make a :class:`VerifyPlan`. After
-the walk, :func:`path_moves` says which node's KV goes to which slot so that
-the accepted path sits where a chain would have it.
+the scheduler's counts and sends them in one copy (:class:`LayoutStager`
+reuses them while the layout repeats); :func:`lay_out_trees` adds every
+row's parents (gathered on the device from the last proposal) and moves the
+nodes to their depth positions (the V1 runner does the same with the torch
+pieces, keeping a copy of the linear positions), which makes a
+:class:`VerifyPlan`. After the
+walk, :func:`path_first_moves` says which node's KV goes to which slot so
+that the accepted path sits where a chain would have it.
+
+:func:`lay_out_trees` and :func:`path_first_moves` are each one Triton
+launch on a GPU (:mod:`vllm_ddtree.v1.ops.triton_verify_step`); their torch
+forms here are the CPU path and those kernels' oracle.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -103,6 +112,42 @@ def stage_layout(
         host_root_index=root_index,
         host_tree_rows=tree_rows,
     )
+
+
+class LayoutStager:
+    """:func:`stage_layout` keeping the last few layouts it staged.
+
+    In steady decoding every step of a batch has the same layout (the same
+    node counts at the same offsets: at batch 1, every step), so its arrays
+    are derived and sent to the device once and later steps reuse them; the
+    consumers only read them. Keyed by the host arrays the layout is made
+    from.
+    """
+
+    def __init__(self, device: torch.device | str, capacity: int = 8) -> None:
+        self.staging = HostStaging(device)
+        self.capacity = capacity
+        self._layouts: OrderedDict[tuple, StagedLayout] = OrderedDict()
+
+    def __call__(
+        self,
+        num_nodes: np.ndarray,
+        query_end: np.ndarray,
+        extra: tuple[np.ndarray, ...] = (),
+    ) -> StagedLayout:
+        key = tuple(
+            (a.shape, np.asarray(a, dtype=np.int64).tobytes())
+            for a in (num_nodes, query_end, *extra)
+        )
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = stage_layout(self.staging, num_nodes, query_end, extra)
+            self._layouts[key] = layout
+            if len(self._layouts) > self.capacity:
+                self._layouts.popitem(last=False)
+        else:
+            self._layouts.move_to_end(key)
+        return layout
 
 
 @dataclass

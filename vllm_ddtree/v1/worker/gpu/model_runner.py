@@ -50,15 +50,14 @@ from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler import (
 from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator import (
     DDTreeSpeculator,
 )
-from vllm_ddtree.v1.worker.host_staging import HostStaging
 from vllm_ddtree.v1.worker.verify_plan import (
     KVCommitPlan,
+    LayoutStager,
     VerifyPlan,
     compact_kv,
     kv_commit_plan,
     lay_out_trees,
     path_first_moves,
-    stage_layout,
     tree_attention_info,
 )
 
@@ -70,7 +69,7 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         cfg = get_ddtree_config(vllm_config)
         assert cfg is not None, "the DDTree runner needs method 'ddtree'"
         self.ddtree = cfg
-        self.host_staging = HostStaging(device)
+        self.layouts = LayoutStager(device)
         self._plan: VerifyPlan | None = None
         self._kv_commits: KVCommitPlan | None = None
 
@@ -106,8 +105,7 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         their depth positions and publish the walk's input."""
         num_reqs = input_batch.num_reqs
         num_nodes = input_batch.num_draft_tokens_per_req.astype(np.int64) + 1
-        layout = stage_layout(
-            self.host_staging,
+        layout = self.layouts(
             num_nodes,
             input_batch.query_start_loc_np[1 : num_reqs + 1],
         )
