@@ -119,15 +119,7 @@ def compare(name: str, device: str = "cpu") -> dict:
     )
     got_positions = positions.clone()
     got_parents, got_rows = lay_out_trees_triton(
-        tree_row,
-        *shapes,
-        layout.num_nodes,
-        layout.root_index,
-        got_positions,
-        layout.tree_index,
-        seq_lens,
-        len(layout.host_tree_rows),
-        layout.width,
+        layout, shapes, tree_row, got_positions, seq_lens
     )
     fields = ("req_rows", "q_start", "num_nodes", "ctx_len", "parents")
     res = {
@@ -135,28 +127,17 @@ def compare(name: str, device: str = "cpu") -> dict:
         "positions_equal": torch.equal(got_positions, ref_positions),
         "depth_moved": not torch.equal(ref_positions, positions),
         "rows_equal": {
-            f: torch.equal(got, getattr(ref_rows, f))
-            for f, got in zip(fields, got_rows, strict=True)
+            f: torch.equal(getattr(got_rows, f), getattr(ref_rows, f)) for f in fields
         },
     }
     walk = _walk(trees, tree_row, layout, ref_parents, max_depth, g)
     path = walk.path.to(device)
     num_tokens = positions.shape[0]
     ref = path_first_moves_torch(layout, path, num_tokens, ref_positions)
-    order = torch.arange(num_tokens, device=device)
-    got = path_first_moves_triton(
-        path,
-        layout.num_nodes,
-        layout.root_index,
-        layout.draft_start,
-        layout.node_tokens.shape[0],
-        layout.width,
-        order,
-        got_positions,
-    )
+    got = path_first_moves_triton(layout, path, num_tokens, got_positions)
     res.update(
         moves_equal=torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]),
-        order_equal=torch.equal(order, ref[2]),
+        order_equal=torch.equal(got[2], ref[2]),
         restored=torch.equal(got_positions, positions)
         and torch.equal(ref_positions, positions),
         max_accepted=int(walk.num_accepted.max()),

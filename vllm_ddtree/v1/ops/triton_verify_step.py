@@ -14,11 +14,14 @@ is one program per request row, the row's whole tree in registers.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from vllm_ddtree.v1.ops.triton_tree_cores import _depth_tile, _nodes_tile
+from vllm_ddtree.v1.worker.host_staging import HostStaging
+from vllm_ddtree.v1.worker.verify_plan import StagedLayout, TreeRows, stage_layout
 
 
 @triton.jit(do_not_specialize=["stride_trees", "stride_par", "stride_tpar", "width"])
@@ -70,22 +73,16 @@ def _lay_out_kernel(
 
 
 def lay_out_trees_triton(
+    layout: StagedLayout,
+    tree_shapes: tuple[torch.Tensor, torch.Tensor],
     tree_row: torch.Tensor,
-    tree_parents: torch.Tensor,
-    tree_depths: torch.Tensor,
-    num_nodes: torch.Tensor,
-    root_index: torch.Tensor,
     positions: torch.Tensor,
-    tree_index: torch.Tensor,
     seq_lens: torch.Tensor,
-    num_trees: int,
-    width: int,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """One launch of :func:`~vllm_ddtree.v1.worker.verify_plan.lay_out_trees`'s
-    work (see there for the arguments): returns ``parents [R, width]`` and
-    the tree rows' ``(req_rows, q_start, num_nodes, ctx_len)`` (int32) and
-    ``parents [num_trees, width]``; ``positions`` is rewritten in place."""
-    num_reqs = tree_row.shape[0]
+) -> tuple[torch.Tensor, TreeRows]:
+    """:func:`~vllm_ddtree.v1.worker.verify_plan.lay_out_trees` in one
+    launch."""
+    num_reqs, width = tree_row.shape[0], layout.width
+    num_trees = len(layout.host_tree_rows)
     device = tree_row.device
     parents = torch.empty(num_reqs, width, dtype=torch.long, device=device)
     # Each int32 row on a 16-byte boundary, as a fresh allocation would be:
@@ -93,30 +90,31 @@ def lay_out_trees_triton(
     # ancestor masks) on their pointers' alignment.
     rows = torch.empty(4, -(-num_trees // 4) * 4, dtype=torch.int32, device=device)
     rows = rows[:, :num_trees]
-    tree_parents_out = torch.empty(num_trees, width, dtype=torch.long, device=device)
+    tree_parents = torch.empty(num_trees, width, dtype=torch.long, device=device)
+    proposal_parents, proposal_depths = tree_shapes
     if num_reqs:
         _lay_out_kernel[(num_reqs,)](
             tree_row,
-            tree_parents,
-            tree_depths,
-            num_nodes,
-            root_index,
+            proposal_parents,
+            proposal_depths,
+            layout.num_nodes,
+            layout.root_index,
             positions,
             parents,
-            tree_index,
+            layout.tree_index,
             seq_lens,
             rows[0],
             rows[1],
             rows[2],
             rows[3],
-            tree_parents_out,
-            tree_parents.stride(0),
+            tree_parents,
+            proposal_parents.stride(0),
             parents.stride(0),
-            tree_parents_out.stride(0),
+            tree_parents.stride(0),
             width,
             NP=_nodes_tile(width),
         )
-    return parents, (*rows.unbind(0), tree_parents_out)
+    return parents, TreeRows(*rows.unbind(0), tree_parents)
 
 
 @triton.jit(do_not_specialize=["stride_path", "max_depth"])
@@ -160,39 +158,34 @@ def _path_first_kernel(
 
 
 def path_first_moves_triton(
+    layout: StagedLayout,
     path: torch.Tensor,
-    num_nodes: torch.Tensor,
-    root_index: torch.Tensor,
-    draft_start: torch.Tensor,
-    num_drafts: int,
-    width: int,
-    order: torch.Tensor,
-    positions: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch of
-    :func:`~vllm_ddtree.v1.worker.verify_plan.path_first_moves`'s work:
-    returns ``(src, dst)``, writes ``order`` (which must hold the identity)
-    and, if given, puts the tree nodes' ``positions`` back to linear."""
+    num_tokens: int,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_moves` in one
+    launch (after the order's ``arange``)."""
     num_reqs, depth_slots = path.shape
-    src = torch.empty(num_drafts, dtype=torch.long, device=path.device)
+    order = torch.arange(num_tokens, device=path.device)
+    src = torch.empty(layout.node_tokens.shape[0], dtype=torch.long, device=path.device)
     dst = torch.empty_like(src)
     if num_reqs:
         _path_first_kernel[(num_reqs,)](
             path,
-            num_nodes,
-            root_index,
-            draft_start,
+            layout.num_nodes,
+            layout.root_index,
+            layout.draft_start,
             src,
             dst,
             order,
             positions if positions is not None else order,
             path.stride(0),
             depth_slots - 1,
-            NP=_nodes_tile(width),
+            NP=_nodes_tile(layout.width),
             DP=_depth_tile(depth_slots - 1),
             RESTORE=positions is not None,
         )
-    return src, dst
+    return src, dst, order
 
 
 def warm_up_verify_step(
@@ -202,30 +195,16 @@ def warm_up_verify_step(
     ``path`` (``[1, depth + 1]``) on dummies with the dtypes, and pointer
     alignments, of the runners' calls (see ``compile_variants``)."""
     device = path.device
-    as_long = dict(dtype=torch.long, device=device)
-    one = torch.ones(1, **as_long)
-    num_nodes = one * width
-    shapes = torch.zeros(1, 2, budget, **as_long)
-    positions = torch.zeros(width, **as_long)
+    layout = stage_layout(HostStaging(device), np.array([width]), np.array([width]))
+    shapes = torch.zeros(1, 2, budget, dtype=torch.long, device=device)
+    positions = torch.zeros(width, dtype=torch.long, device=device)
     lay_out_trees_triton(
+        layout,
+        (shapes[:, 0], shapes[:, 1]),
         torch.zeros(1, dtype=torch.int32, device=device),
-        shapes[:, 0],
-        shapes[:, 1],
-        num_nodes,
-        one - 1,
         positions,
-        one - 1,
         torch.full((1,), width, dtype=torch.int32, device=device),
-        1,
-        width,
     )
     path_first_moves_triton(
-        path,
-        num_nodes,
-        one - 1,
-        one - 1,
-        width - 1,
-        width,
-        torch.arange(width, **as_long),
-        positions if restore_positions else None,
+        layout, path, width, positions if restore_positions else None
     )

@@ -195,18 +195,7 @@ def lay_out_trees(
         # Imported here: only GPU processes need Triton.
         from vllm_ddtree.v1.ops.triton_verify_step import lay_out_trees_triton
 
-        parents, rows = lay_out_trees_triton(
-            tree_row,
-            *tree_shapes,
-            layout.num_nodes,
-            layout.root_index,
-            positions,
-            layout.tree_index,
-            seq_lens,
-            len(layout.host_tree_rows),
-            layout.width,
-        )
-        return parents, TreeRows(*rows)
+        return lay_out_trees_triton(layout, tree_shapes, tree_row, positions, seq_lens)
     return lay_out_trees_torch(layout, tree_shapes, tree_row, positions, seq_lens)
 
 
@@ -285,23 +274,12 @@ def path_first_moves(
     is the batch token whose data goes to token ``i`` (tokens outside trees
     stay). With ``positions`` (``[tokens]``, depth positions) the nodes get
     their linear positions back, in place."""
-    if not path.is_cuda:
-        return path_first_moves_torch(layout, path, num_tokens, positions)
-    # Imported here: only GPU processes need Triton.
-    from vllm_ddtree.v1.ops.triton_verify_step import path_first_moves_triton
+    if path.is_cuda:
+        # Imported here: only GPU processes need Triton.
+        from vllm_ddtree.v1.ops.triton_verify_step import path_first_moves_triton
 
-    order = torch.arange(num_tokens, device=path.device)
-    src, dst = path_first_moves_triton(
-        path,
-        layout.num_nodes,
-        layout.root_index,
-        layout.draft_start,
-        layout.node_tokens.shape[0],
-        layout.width,
-        order,
-        positions,
-    )
-    return src, dst, order
+        return path_first_moves_triton(layout, path, num_tokens, positions)
+    return path_first_moves_torch(layout, path, num_tokens, positions)
 
 
 def path_first_moves_torch(
