@@ -19,7 +19,8 @@ per (method, budget, batch, temperature):
 Results accumulate in ``OUT/rows/*.json`` (one file per engine), so a sweep can
 be split over several time-limited calls; each call rewrites
 ``OUT/results.json``, ``OUT/table.md`` and, if matplotlib is installed, the
-plots ``OUT/speedup_vs_budget.png`` and ``OUT/acceptance_hist.png``. Adaptive
+plots ``OUT/speedup_vs_budget_T*.png`` (per temperature, every DDTree and
+DFlash variant) and ``OUT/acceptance_hist.png``. Adaptive
 DDTree engines also yield ``OUT/schedules.json``: per engine and temperature,
 the tree size the adaptive budget chose at each batch size as vLLM's
 ``num_speculative_tokens_per_batch_size``, for engines that cannot choose
@@ -332,6 +333,63 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _variant(r: dict) -> str:
+    """A row's method as the table names it (runner suffix, async)."""
+    return r["method"] + (" async" if r.get("async_scheduling") else "")
+
+
+def _tree_size(r: dict) -> float:
+    """A DDTree row's tree size: its budget, or under a batch-size schedule
+    the nodes it verified a step."""
+    if r.get("schedule") and r.get("nodes_per_draft"):
+        return r["nodes_per_draft"]
+    return r["budget"]
+
+
+def speedup_series(rows: list[dict], temperature: float) -> list[dict]:
+    """The speedup-vs-budget plot at one temperature, per batch size: every
+    DDTree variant's ``(tree size, speedup over no-spec)`` points and every
+    DFlash variant's speedup (a reference level)."""
+    sel = [r for r in rows if r["temperature"] == temperature and r["vs_nospec"]]
+    series = []
+    for batch in sorted({r["batch"] for r in sel}):
+        at_batch = [r for r in sel if r["batch"] == batch]
+        trees: dict[str, list] = {}
+        for r in at_batch:
+            if _base_method(r["method"]) == "ddtree":
+                trees.setdefault(_variant(r), []).append(
+                    (_tree_size(r), r["vs_nospec"])
+                )
+        flash = {
+            _variant(r): r["vs_nospec"]
+            for r in at_batch
+            if _base_method(r["method"]) == "dflash"
+        }
+        if trees:
+            points = {v: sorted(p) for v, p in sorted(trees.items())}
+            series.append({"batch": batch, "ddtree": points, "dflash": flash})
+    return series
+
+
+def histogram_rows(rows: list[dict]) -> list[dict]:
+    """The acceptance-length histogram's rows, DFlash's first, then every
+    DDTree variant's by budget, at the smallest (batch, T) with a DDTree row
+    (else the smallest with any)."""
+    cand = [
+        r
+        for r in rows
+        if r.get("accept_hist") and _base_method(r["method"]) in ("dflash", "ddtree")
+    ]
+    if not cand:
+        return []
+    with_tree = [r for r in cand if _base_method(r["method"]) == "ddtree"]
+    ref = min(map(_key, with_tree or cand))
+    return sorted(
+        (r for r in cand if _key(r) == ref),
+        key=lambda r: (_base_method(r["method"]) != "dflash", _variant(r), r["budget"]),
+    )
+
+
 def plots(rows: list[dict], out: Path) -> list[Path]:
     try:
         import matplotlib
@@ -344,35 +402,21 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     written = []
     for temperature in sorted({r["temperature"] for r in rows}):
         fig, ax = plt.subplots(figsize=(6, 4))
-        sel = [r for r in rows if r["temperature"] == temperature]
-        for batch in sorted({r["batch"] for r in sel}):
-            tree = sorted(
-                (r for r in sel if r["batch"] == batch and r["method"] == "ddtree"),
-                key=lambda r: r["budget"],
-            )
-            if tree and tree[0]["vs_nospec"]:
+        for batch_series in speedup_series(rows, temperature):
+            batch, color = batch_series["batch"], None
+            for variant, points in batch_series["ddtree"].items():
                 line = ax.plot(
-                    [r["budget"] for r in tree],
-                    [r["vs_nospec"] for r in tree],
+                    *zip(*points, strict=True),
                     marker="o",
-                    label=f"DDTree, batch {batch}",
+                    label=f"{variant}, batch {batch}",
                 )[0]
-                flash = [
-                    r
-                    for r in sel
-                    if r["batch"] == batch
-                    and r["method"] == "dflash"
-                    and r["vs_nospec"]
-                ]
-                if flash:
-                    ax.axhline(
-                        flash[0]["vs_nospec"],
-                        ls="--",
-                        color=line.get_color(),
-                        label=f"DFlash, batch {batch}",
-                    )
+                color = color or line.get_color()
+            for variant, level in batch_series["dflash"].items():
+                ax.axhline(
+                    level, ls="--", color=color, label=f"{variant}, batch {batch}"
+                )
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("tree budget B")
+        ax.set_xlabel("tree size (budget B, or nodes a step under a schedule)")
         ax.set_ylabel("speedup over no-spec (tok/s)")
         ax.set_title(f"T = {temperature:g}")
         ax.grid(alpha=0.3)
@@ -383,17 +427,16 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
-    hist_rows = [
-        r for r in rows if r["accept_hist"] and r["method"] in ("dflash", "ddtree")
-    ]
+    hist_rows = histogram_rows(rows)
     if hist_rows:
-        ref = min(hist_rows, key=lambda r: (r["batch"], r["temperature"]))
-        sel = [r for r in hist_rows if _key(r) == _key(ref)]
+        ref = hist_rows[0]
         fig, ax = plt.subplots(figsize=(6, 4))
-        width = 0.8 / len(sel)
-        for i, r in enumerate(sorted(sel, key=lambda r: (r["method"], r["budget"]))):
+        width = 0.8 / len(hist_rows)
+        for i, r in enumerate(hist_rows):
             total = sum(r["accept_hist"])
-            name = "DFlash" if r["method"] == "dflash" else f"DDTree B={r['budget']}"
+            name = _variant(r)
+            if _base_method(r["method"]) == "ddtree":
+                name += f" B={r['budget']}"
             ax.bar(
                 [k + 1 + i * width for k in range(len(r["accept_hist"]))],
                 [n / total for n in r["accept_hist"]],

@@ -20,6 +20,8 @@ from benchmarks.bench_e2e import (
     add_ratios,
     batch_schedule,
     batch_schedules,
+    histogram_rows,
+    speedup_series,
     table,
 )
 from vllm_ddtree.fixtures import TRAINED_TINY_DIR
@@ -161,3 +163,40 @@ def test_batch_schedules_come_from_adaptive_ddtree_rows():
         _row("dflash", 70.0, DFLASH_DRAFTS, nodes_per_draft=15.0),
     ]
     assert batch_schedules(rows) == {"ddtree B=64 T=0": [[1, 15, 40], [16, 16, 10]]}
+
+
+def test_plots_take_every_ddtree_and_dflash_variant():
+    """The V2 runner's and async rows are plotted (they were left out of both
+    plots: their method names are not plain "ddtree" / "dflash"); a
+    schedule's rows sit at the tree size they verified."""
+    hist = [2, 1, 1]
+    rows = add_ratios(
+        [
+            _row("nospec", 100.0, async_scheduling=True),
+            _row("dflash", 200.0, DFLASH_DRAFTS, accept_hist=hist),
+            _row("dflash", 210.0, DFLASH_DRAFTS, async_scheduling=True),
+            _row("ddtree-v2", 300.0, 64, async_scheduling=True, accept_hist=hist),
+            _row("ddtree", 250.0, 16, accept_hist=hist),
+            _row("ddtree", 260.0, 64, accept_hist=hist),
+            {**_row("ddtree-v2", 400.0, 64, schedule=[[1, 1, 64], [2, 64, 15]]),
+             "batch": 16, "nodes_per_draft": 15.5},
+            {**_row("dflash", 380.0, DFLASH_DRAFTS), "batch": 16},
+            {**_row("nospec", 100.0), "batch": 16},
+            {**_row("dflash", 1.0, DFLASH_DRAFTS, accept_hist=hist), "batch": 64},
+        ]
+    )  # fmt: skip
+    batch_1, batch_16 = speedup_series(rows, 0.0)
+    assert batch_1["ddtree"] == {
+        "ddtree": [(16, 2.5), (64, 2.6)],
+        "ddtree-v2 async": [(64, 3.0)],
+    }
+    assert batch_1["dflash"] == {"dflash": 2.0, "dflash async": 2.1}
+    assert batch_16["batch"] == 16
+    assert batch_16["ddtree"] == {"ddtree-v2": [(15.5, 4.0)]}
+    names = [(r["method"], r["budget"]) for r in histogram_rows(rows)]
+    assert names == [
+        ("dflash", DFLASH_DRAFTS),
+        ("ddtree", 16),
+        ("ddtree", 64),
+        ("ddtree-v2", 64),
+    ]
