@@ -191,7 +191,7 @@ def _worker_compile_variants() -> None:
             top_k=8,
             force_spine=True,
             out_dtype=torch.int64,
-            restore_positions=True,
+            v2_runner=True,
         )
         # Block 0 for every position of the warm-up rows (context 32 + nodes).
         block_table = torch.zeros(1, 19, dtype=torch.int32)

@@ -23,18 +23,28 @@ import torch
 
 from tests.utils import interpreted_case, interpreter_fixture, print_case
 
-# name -> (budget, max depth, rows as (kind, nodes or query length), seed);
-# kinds: "tree" (a slot's tree, cut to its nodes), "chain", "prefill".
-CASES: dict[str, tuple[int, int, list[tuple[str, int]], int]] = {
-    "one-full-tree": (8, 15, [("tree", 9)], 0),
+# name -> (budget, max depth, rows as (kind, nodes or query length), dtype of
+# the rows' proposal rows, seed); kinds: "tree" (a slot's tree, cut to its
+# nodes), "chain", "prefill". The V2 runner passes int32 request-state
+# slots, the V1 runner int64 batch rows of the last build.
+CASES: dict[str, tuple[int, int, list[tuple[str, int]], torch.dtype, int]] = {
+    "one-full-tree": (8, 15, [("tree", 9)], torch.int32, 0),
     "mixed": (
         8,
         4,
         [("tree", 9), ("prefill", 5), ("tree", 4), ("chain", 6), ("tree", 1)],
+        torch.int32,
         1,
     ),
-    "budget-64": (64, 15, [("tree", 65), ("tree", 65), ("tree", 30)], 2),
-    "budget-256": (256, 15, [("prefill", 3), ("tree", 257)], 4),
+    "mixed-v1-rows": (
+        8,
+        15,
+        [("chain", 3), ("tree", 9), ("tree", 5), ("prefill", 2)],
+        torch.int64,
+        5,
+    ),
+    "budget-64": (64, 15, [("tree", 65), ("tree", 65), ("tree", 30)], torch.int32, 2),
+    "budget-256": (256, 15, [("prefill", 3), ("tree", 257)], torch.int32, 4),
 }
 NUM_SLOTS, PADDING = 6, 3
 
@@ -43,6 +53,7 @@ def _case(
     budget: int,
     max_depth: int,
     rows: list[tuple[str, int]],
+    row_dtype: torch.dtype,
     seed: int,
     device: str,
 ):
@@ -59,9 +70,8 @@ def _case(
     num_nodes = np.array([1 if k == "prefill" else n for k, n in rows])
     query_lens = np.array([n for _, n in rows])
     slots = torch.randperm(NUM_SLOTS, generator=g)[: len(rows)]
-    tree_row = torch.where(torch.tensor([k == "chain" for k, _ in rows]), -1, slots).to(
-        torch.int32
-    )
+    is_chain = torch.tensor([k == "chain" for k, _ in rows])
+    tree_row = torch.where(is_chain, -1, slots).to(row_dtype)
     layout = stage_layout(HostStaging(device), num_nodes, np.cumsum(query_lens))
     context = torch.randint(0, 50, (len(rows),), generator=g)
     positions = torch.cat(
@@ -108,10 +118,8 @@ def compare(name: str, device: str = "cpu") -> dict:
         path_first_moves_torch,
     )
 
-    budget, max_depth, rows, seed = CASES[name]
-    trees, layout, tree_row, positions, seq_lens, g = _case(
-        budget, max_depth, rows, seed, device
-    )
+    budget, max_depth, *_ = CASES[name]
+    trees, layout, tree_row, positions, seq_lens, g = _case(*CASES[name], device)
     shapes = (trees.parents.to(device), trees.depths.to(device))
     ref_positions = positions.clone()
     ref_parents, ref_rows = lay_out_trees_torch(

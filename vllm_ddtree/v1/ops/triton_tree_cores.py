@@ -12,6 +12,8 @@ stay the CPU path and the tests' oracle.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -87,6 +89,21 @@ def _walk_kernel(
         row = OUT + r * stride_out
         tl.store(row + steps - 1, path_tok, mask=keep)
         tl.store(row + accepted, bonus)
+
+
+def aligned_planes(
+    num_planes: int, shape: tuple[int, ...], dtype: torch.dtype, device
+) -> torch.Tensor:
+    """An empty ``[num_planes, *shape]`` tensor whose every plane starts on a
+    16-byte boundary, as a fresh allocation does. Kernels that take one
+    pointer per plane are specialised by Triton on each pointer's
+    alignment; packed planes would change it with the batch size (an odd
+    ``R * B``), compiling another variant mid-serving."""
+    numel = math.prod(shape)
+    per_16_bytes = 16 // dtype.itemsize
+    plane = -(-numel // per_16_bytes) * per_16_bytes
+    flat = torch.empty(num_planes, plane, dtype=dtype, device=device)
+    return flat[:, :numel].view(num_planes, *shape)
 
 
 def _nodes_tile(num_nodes: int) -> int:
@@ -465,9 +482,9 @@ def build_trees_triton(
         num_warps = 16 if total_p2 >= 4096 else 8
     logprobs = topk_logprobs.float()
     tokens = topk_tokens.long()
-    scr_f = torch.empty(2, num_reqs, total, dtype=torch.float32, device=device)
+    scr_f = aligned_planes(2, (num_reqs, total), torch.float32, device)
     scr_i = torch.empty(num_reqs, 4, total, dtype=torch.long, device=device)
-    out_i = torch.empty(3, num_reqs, budget, dtype=torch.long, device=device)
+    out_i = aligned_planes(3, (num_reqs, budget), torch.long, device)
     scores = torch.empty(num_reqs, budget, dtype=torch.float32, device=device)
     if num_reqs:
         _build_kernel[(num_reqs,)](
@@ -506,7 +523,7 @@ def compile_variants(
     top_k: int,
     force_spine: bool,
     out_dtype: torch.dtype,
-    restore_positions: bool,
+    v2_runner: bool,
 ) -> list[tuple[int, int]]:
     """Launch every variant of the kernels that an engine with this budget
     can use (the build; the walk, the masks and the runner's lay-out and
@@ -516,9 +533,9 @@ def compile_variants(
     bound is its width - 1), so that Triton compiles them at start-up rather
     than mid-serving. Inputs are dummies with the dtypes of the real calls;
     ``out_dtype`` is that of the sampler-output rows the walk writes (Triton
-    compiles a kernel per pointer dtype), ``restore_positions`` whether the
-    runner has the moves put positions back. Returns the walk's (node tile,
-    depth tile) variants."""
+    compiles a kernel per pointer dtype), ``v2_runner`` whose lay-out and
+    moves to compile (see ``warm_up_verify_step``). Returns the walk's (node
+    tile, depth tile) variants."""
     # Imported here: that module builds on this one's tiles.
     from vllm_ddtree.v1.ops.triton_verify_step import warm_up_verify_step
 
@@ -544,7 +561,7 @@ def compile_variants(
             depth,
             torch.zeros(1, width + 1, dtype=out_dtype, device=device),
         )
-        warm_up_verify_step(walk.path, width, budget, restore_positions)
+        warm_up_verify_step(walk.path, width, budget, v2_runner)
     widths = {_nodes_tile(w): w for w in range(1, budget + 2)}
     for width in widths.values():
         parents = torch.arange(-1, width - 1, **as_long)[None]

@@ -19,7 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.v1.ops.triton_tree_cores import _depth_tile, _nodes_tile
+from vllm_ddtree.v1.ops.triton_tree_cores import (
+    _depth_tile,
+    _nodes_tile,
+    aligned_planes,
+)
 from vllm_ddtree.v1.worker.host_staging import HostStaging
 from vllm_ddtree.v1.worker.verify_plan import StagedLayout, TreeRows, stage_layout
 
@@ -85,11 +89,8 @@ def lay_out_trees_triton(
     num_trees = len(layout.host_tree_rows)
     device = tree_row.device
     parents = torch.empty(num_reqs, width, dtype=torch.long, device=device)
-    # Each int32 row on a 16-byte boundary, as a fresh allocation would be:
-    # Triton specialises the kernels that read them (the tree attention, the
-    # ancestor masks) on their pointers' alignment.
-    rows = torch.empty(4, -(-num_trees // 4) * 4, dtype=torch.int32, device=device)
-    rows = rows[:, :num_trees]
+    # Read by the tree attention and the ancestor masks, one pointer each.
+    rows = aligned_planes(4, (num_trees,), torch.int32, device)
     tree_parents = torch.empty(num_trees, width, dtype=torch.long, device=device)
     proposal_parents, proposal_depths = tree_shapes
     if num_reqs:
@@ -189,22 +190,30 @@ def path_first_moves_triton(
 
 
 def warm_up_verify_step(
-    path: torch.Tensor, width: int, budget: int, restore_positions: bool
+    path: torch.Tensor, width: int, budget: int, v2_runner: bool
 ) -> None:
     """Compile both kernels for one row of ``width`` nodes and the walk's
-    ``path`` (``[1, depth + 1]``) on dummies with the dtypes, and pointer
-    alignments, of the runners' calls (see ``compile_variants``)."""
+    ``path`` (``[1, depth + 1]``) on dummies with the dtypes and pointer
+    alignments of the runner's calls (see ``compile_variants``): the V2
+    runner gathers trees by request-state slot (int32 slots, parents and
+    depths side by side) and has the moves put positions back; the V1
+    runner's trees are the last build's, by batch row (int64 rows)."""
     device = path.device
     layout = stage_layout(HostStaging(device), np.array([width]), np.array([width]))
-    shapes = torch.zeros(1, 2, budget, dtype=torch.long, device=device)
+    if v2_runner:
+        shapes = torch.zeros(1, 2, budget, dtype=torch.long, device=device)
+        tree_shapes = (shapes[:, 0], shapes[:, 1])
+        tree_row = torch.zeros(1, dtype=torch.int32, device=device)
+    else:
+        shapes = aligned_planes(3, (1, budget), torch.long, device).zero_()
+        tree_shapes = (shapes[1], shapes[2])
+        tree_row = layout.num_nodes * 0
     positions = torch.zeros(width, dtype=torch.long, device=device)
     lay_out_trees_triton(
         layout,
-        (shapes[:, 0], shapes[:, 1]),
-        torch.zeros(1, dtype=torch.int32, device=device),
+        tree_shapes,
+        tree_row,
         positions,
         torch.full((1,), width, dtype=torch.int32, device=device),
     )
-    path_first_moves_triton(
-        layout, path, width, positions if restore_positions else None
-    )
+    path_first_moves_triton(layout, path, width, positions if v2_runner else None)

@@ -84,6 +84,7 @@ from vllm_ddtree.v1.worker.verify_plan import (
     compact_kv,
     depth_shift,
     kv_commit_plan,
+    lay_out_trees,
     path_first_moves,
     tree_attention_info,
     tree_rows_of,
@@ -217,15 +218,26 @@ class DDTreeModelRunnerMixin:
             extra=(tree_row,),
         )
         trees = self._last_trees
-        parents, depths = gather_tree_layout(
-            None if trees is None else (trees.parents, trees.depths),
-            layout.extra[0],
-            layout.num_nodes,
-            width,
-        )
-        linear_positions = self._shift_to_depth_positions(
-            layout.total, layout.node_tokens, depth_shift(layout, depths)
-        )
+        if trees is not None and not self.uses_mrope:
+            linear_positions = self.positions[: layout.total].clone()
+            parents, tree_rows = lay_out_trees(
+                layout,
+                (trees.parents, trees.depths),
+                layout.extra[0],
+                self.positions,
+                self.seq_lens,
+            )
+        else:
+            parents, depths = gather_tree_layout(
+                None if trees is None else (trees.parents, trees.depths),
+                layout.extra[0],
+                layout.num_nodes,
+                width,
+            )
+            linear_positions = self._shift_to_depth_positions(
+                layout.total, layout.node_tokens, depth_shift(layout, depths)
+            )
+            tree_rows = tree_rows_of(layout, parents, self.seq_lens)
         self.rejection_sampler.step = TreeVerifyInput(
             parents,
             max_depth,
@@ -237,9 +249,7 @@ class DDTreeModelRunnerMixin:
             + num_scheduled_tokens[:num_reqs]
             - num_nodes
         )
-        tree = tree_attention_info(
-            layout, tree_rows_of(layout, parents, self.seq_lens), ctx_len, max_depth
-        )
+        tree = tree_attention_info(layout, tree_rows, ctx_len, max_depth)
         return VerifyPlan(layout, linear_positions, tree)
 
     def _shift_to_depth_positions(
@@ -592,7 +602,7 @@ class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
             self,
             lambda gid: self.input_batch.block_table[gid].get_device_tensor(1),
             SAMPLED_TOKEN_DTYPE,
-            restore_positions=False,
+            v2_runner=False,
         )
 
 
@@ -601,12 +611,12 @@ def warm_up_tree_kernels(
     runner: Any,
     block_table_for: Callable[[int], torch.Tensor],
     sampled_dtype: torch.dtype,
-    restore_positions: bool,
+    v2_runner: bool,
 ) -> None:
     """Compile the Triton kernels of a DDTree step at start-up (the V1 and V2
     GPU runners): the tree cores (the walk writing rows of the runner's
-    ``sampled_dtype``, the commit's moves putting positions back if the
-    runner has them do that: ``restore_positions``), the tree attention once
+    ``sampled_dtype``; the lay-out and the path-first moves as the V1 or the
+    V2 runner, ``v2_runner``, calls them), the tree attention once
     per distinct layer geometry (``block_table_for(gid)``: a one-request
     block table of KV-cache group ``gid``), the KV commit and, for hybrid
     targets, the tree GDN ops and the recurrent-state commit. Otherwise each
@@ -628,7 +638,7 @@ def warm_up_tree_kernels(
         min(cfg.budget, runner.model_config.get_vocab_size()),
         cfg.force_spine,
         sampled_dtype,
-        restore_positions,
+        v2_runner,
     )
     forward_context = runner.compilation_config.static_forward_context
     done = set()

@@ -168,7 +168,7 @@ class DDTreeV2ModelRunner(GPUModelRunner):
             self,
             lambda gid: self.block_tables.input_block_tables[gid][:1],
             SAMPLED_TOKEN_DTYPE,
-            restore_positions=True,
+            v2_runner=True,
         )
 
     # The same sizes decide whether V2 captures, and schedules, a full batch
