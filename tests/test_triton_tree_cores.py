@@ -98,6 +98,44 @@ def random_topk(num_reqs: int, depths: int, k: int, ties: bool, seed: int):
     return values, tokens
 
 
+def gathered_walk_equal(
+    tokens, parents, num_nodes, target, max_depth, ref, expected_out, seed
+) -> bool:
+    """The walk in the samplers' form (int32 tokens and int64 choices in flat
+    rows, read through two different row maps) equals ``ref`` and writes
+    ``expected_out``; on the batch's device."""
+    from vllm_ddtree.v1.ops.triton_tree_cores import walk_trees_triton
+
+    num_reqs, width = tokens.shape
+    g = torch.Generator().manual_seed(seed)
+    maps = [
+        torch.randperm(num_reqs * width, generator=g).view(num_reqs, width)
+        for _ in range(2)
+    ]
+    maps = [m.to(tokens.device) for m in maps]
+    flat_tokens = tokens.new_empty(num_reqs * width, dtype=torch.int32)
+    flat_tokens[maps[0]] = tokens.int()
+    flat_target = target.new_empty(num_reqs * width)
+    flat_target[maps[1]] = target
+    out = torch.full_like(expected_out, -7)
+    got = walk_trees_triton(
+        flat_tokens,
+        parents,
+        num_nodes,
+        flat_target,
+        max_depth,
+        out,
+        token_rows=maps[0],
+        target_rows=maps[1],
+    )
+    return (
+        torch.equal(got.path, ref.path)
+        and torch.equal(got.num_accepted, ref.num_accepted)
+        and torch.equal(got.bonus, ref.bonus)
+        and torch.equal(out, expected_out)
+    )
+
+
 def _worker() -> None:
     try:
         import triton  # noqa: F401
@@ -138,6 +176,9 @@ def _worker() -> None:
             )
             res["out_equal"] = torch.equal(out, expected_out)
             res["max_accepted"] = int(ref.num_accepted.max())
+            res["gather_equal"] = gathered_walk_equal(
+                tokens, parents, num_nodes, target, max_depth, ref, expected_out, seed
+            )
 
             counts = num_nodes.tolist()
             want, starts = pack_ancestor_mask(
@@ -219,6 +260,7 @@ def test_triton_tree_cores_interpreted(interp_results, name):
     rec = interpreted_case(interp_results, name)
     assert rec["walk_equal"], rec
     assert rec["out_equal"], rec
+    assert rec["gather_equal"], rec
     assert rec["mask_equal"], rec
     assert rec["mask_out_equal"], rec
 

@@ -16,6 +16,7 @@ import torch
 from tests.test_triton_tree_cores import (
     BUILD_CASES,
     CASES,
+    gathered_walk_equal,
     random_batch,
     random_topk,
 )
@@ -58,6 +59,9 @@ def test_walk_and_mask_on_gpu(name):
         assert out[r, :k].tolist() == tokens[r, ref.path[r, 1 : k + 1]].tolist()
         assert int(out[r, k]) == int(ref.bonus[r])
         assert (out[r, k + 1 :] == -7).all()
+    assert gathered_walk_equal(
+        tokens, parents, num_nodes, target, max_depth, ref, out, seed
+    )
 
     counts = num_nodes.tolist()
     want, starts = pack_ancestor_mask(

@@ -43,6 +43,8 @@ def _walk_kernel(
     PARENTS,
     NUM_NODES,
     TARGET,
+    TOKEN_ROWS,
+    TARGET_ROWS,
     PATH,
     NUM_ACCEPTED,
     BONUS,
@@ -56,14 +58,23 @@ def _walk_kernel(
     NP: tl.constexpr,
     DP: tl.constexpr,
     WRITE_OUT: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, NP)
     n = tl.load(NUM_NODES + r).to(tl.int32)
     valid = idx < n
     par = tl.load(PARENTS + r * stride_par + idx, mask=valid, other=-2).to(tl.int32)
-    tok = tl.load(NODE_TOKENS + r * stride_tok + idx, mask=valid, other=-1)
-    tgt = tl.load(TARGET + r * stride_tgt + idx, mask=valid, other=0)
+    if GATHER:
+        # Flat per-row tokens and targets, node j of request r at row
+        # *_ROWS[r, j] (the strides are the maps').
+        tok_at = tl.load(TOKEN_ROWS + r * stride_tok + idx, mask=valid, other=0)
+        tgt_at = tl.load(TARGET_ROWS + r * stride_tgt + idx, mask=valid, other=0)
+        tok = tl.load(NODE_TOKENS + tok_at, mask=valid & (idx > 0), other=-1)
+        tgt = tl.load(TARGET + tgt_at, mask=valid, other=0)
+    else:
+        tok = tl.load(NODE_TOKENS + r * stride_tok + idx, mask=valid, other=-1)
+        tgt = tl.load(TARGET + r * stride_tgt + idx, mask=valid, other=0)
     steps = tl.arange(0, DP)
     path = tl.where(steps == 0, 0, -1)
     cur = n * 0
@@ -121,37 +132,52 @@ def walk_trees_triton(
     target_tokens: torch.Tensor,
     max_depth: int,
     out: torch.Tensor | None = None,
+    token_rows: torch.Tensor | None = None,
+    target_rows: torch.Tensor | None = None,
 ) -> WalkResult:
     """:func:`~vllm_ddtree.v1.spec_decode.tree.walk_trees` in one launch.
 
     If ``out`` (``[R, W]``, ``W > `` any accepted length, pre-filled with the
     placeholder) is given, row ``r`` also receives the accepted drafted tokens
     followed by the bonus token: vLLM's sampler-output row.
+
+    With ``token_rows`` and ``target_rows`` (``[R, N]`` maps, both or
+    neither) ``node_tokens`` and ``target_tokens`` are the runner's flat
+    rows (draft tokens, logit rows' choices), read at
+    ``node_tokens[token_rows[r, j]]`` and ``target_tokens[target_rows[r,
+    j]]`` for node ``j`` of request ``r`` (the root's token is not read):
+    no gathered copies.
     """
-    num_reqs, n = node_tokens.shape
+    gather = token_rows is not None
+    num_reqs, n = (token_rows if gather else node_tokens).shape
     device = node_tokens.device
     path = torch.empty(num_reqs, max_depth + 1, dtype=torch.long, device=device)
     num_accepted = torch.empty(num_reqs, dtype=torch.long, device=device)
     bonus = torch.empty(num_reqs, dtype=target_tokens.dtype, device=device)
     if num_reqs:
+        tok_map = token_rows if gather else node_tokens
+        tgt_map = target_rows if gather else target_tokens
         _walk_kernel[(num_reqs,)](
             node_tokens,
             parents,
             num_nodes,
             target_tokens,
+            tok_map,
+            tgt_map,
             path,
             num_accepted,
             bonus,
             out if out is not None else path,
-            node_tokens.stride(0),
+            tok_map.stride(0),
             parents.stride(0),
-            target_tokens.stride(0),
+            tgt_map.stride(0),
             path.stride(0),
             out.stride(0) if out is not None else 0,
             max_depth,
             NP=_nodes_tile(n),
             DP=_depth_tile(max_depth),
             WRITE_OUT=out is not None,
+            GATHER=gather,
         )
     return WalkResult(path=path, num_accepted=num_accepted, bonus=bonus)
 
@@ -552,14 +578,18 @@ def compile_variants(
         for d in (max_depth, w - 1)
     }
     for width, depth in walks.values():
-        zeros = torch.zeros(1, width, **as_long)
+        # As the samplers call it: int32 draft tokens and int64 choices read
+        # through the layout's row maps.
+        rows = torch.zeros(1, width, **as_long)
         walk = walk_trees_triton(
-            zeros,
+            torch.zeros(width, dtype=torch.int32, device=device),
             torch.arange(-1, width - 1, **as_long)[None],
             torch.full((1,), width, **as_long),
-            zeros,
+            torch.zeros(width, **as_long),
             depth,
             torch.zeros(1, width + 1, dtype=out_dtype, device=device),
+            token_rows=rows,
+            target_rows=rows,
         )
         warm_up_verify_step(walk.path, width, budget, v2_runner)
     widths = {_nodes_tile(w): w for w in range(1, budget + 2)}

@@ -243,10 +243,6 @@ class TreeRejectionSampler(RejectionSampler):
                 [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
             )
         choices = self._target_choices(logits, rows, step.positions, sampling_metadata)
-        target_tokens = choices[rows.logit_rows]
-        node_tokens = torch.where(
-            rows.is_draft, metadata.draft_token_ids[rows.draft_rows].long(), -1
-        )
         out = torch.full(
             (len(num_draft), metadata.max_spec_len + 1),
             PLACEHOLDER_TOKEN_ID,
@@ -260,9 +256,20 @@ class TreeRejectionSampler(RejectionSampler):
             from vllm_ddtree.v1.ops.triton_tree_cores import walk_trees_triton
 
             walk = walk_trees_triton(
-                node_tokens, parents, rows.num_nodes, target_tokens, step.max_depth, out
+                metadata.draft_token_ids,
+                parents,
+                rows.num_nodes,
+                choices,
+                step.max_depth,
+                out,
+                token_rows=rows.draft_rows,
+                target_rows=rows.logit_rows,
             )
         else:
+            node_tokens = torch.where(
+                rows.is_draft, metadata.draft_token_ids[rows.draft_rows].long(), -1
+            )
+            target_tokens = choices[rows.logit_rows]
             walk = walk_trees(
                 node_tokens, parents, rows.num_nodes, target_tokens, step.max_depth
             )

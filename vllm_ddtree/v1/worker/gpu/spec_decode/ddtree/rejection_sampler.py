@@ -75,9 +75,6 @@ class TreeWalkSampler(RejectionSampler):
             return_logprobs=return_logprobs,
         )
         layout = step.rows
-        node_tokens = torch.where(
-            layout.is_draft, row_tokens[layout.logit_rows], -1
-        ).long()
         width = layout.logit_rows.shape[1]
         sampled = torch.full(
             (input_batch.num_reqs, self.num_speculative_steps + 1),
@@ -85,13 +82,16 @@ class TreeWalkSampler(RejectionSampler):
             dtype=SAMPLED_TOKEN_DTYPE,
             device=logits.device,
         )
+        # Every logit row's token and choice, read at each node's row.
         walk = walk_trees_triton(
-            node_tokens,
+            row_tokens,
             step.parents[:, :width],
             layout.num_nodes,
-            choices[layout.logit_rows],
+            choices,
             step.max_depth,
             sampled,
+            token_rows=layout.logit_rows,
+            target_rows=layout.logit_rows,
         )
         self.last_walk = walk
         num_sampled, num_rejected = get_num_sampled_and_rejected(
