@@ -215,6 +215,8 @@ def test_control_without_mrope_rows_diverges(models, reference, monkeypatch):
         self.positions[node_tokens] += shift
         return linear
 
-    monkeypatch.setattr(DDTreeModelRunnerMixin, "_shift_to_depth_positions", one_d_only)
+    monkeypatch.setattr(
+        DDTreeModelRunnerMixin, "_shift_to_mrope_depth_positions", one_d_only
+    )
     results, _ = _ddtree_run(models, reference, ((8, NUM_PROMPTS),), RANKS["second"])
     assert len(_mismatches(reference, results[8])) >= NUM_PROMPTS // 3

@@ -218,26 +218,20 @@ class DDTreeModelRunnerMixin:
             extra=(tree_row,),
         )
         trees = self._last_trees
-        if trees is not None and not self.uses_mrope:
-            linear_positions = self.positions[: layout.total].clone()
-            parents, tree_rows = lay_out_trees(
-                layout,
-                (trees.parents, trees.depths),
-                layout.extra[0],
-                self.positions,
-                self.seq_lens,
-            )
-        else:
+        tree_shapes = None if trees is None else (trees.parents, trees.depths)
+        if self.uses_mrope:
             parents, depths = gather_tree_layout(
-                None if trees is None else (trees.parents, trees.depths),
-                layout.extra[0],
-                layout.num_nodes,
-                width,
+                tree_shapes, layout.extra[0], layout.num_nodes, width
             )
-            linear_positions = self._shift_to_depth_positions(
+            linear_positions = self._shift_to_mrope_depth_positions(
                 layout.total, layout.node_tokens, depth_shift(layout, depths)
             )
             tree_rows = tree_rows_of(layout, parents, self.seq_lens)
+        else:
+            linear_positions = self.positions[: layout.total].clone()
+            parents, tree_rows = lay_out_trees(
+                layout, tree_shapes, layout.extra[0], self.positions, self.seq_lens
+            )
         self.rejection_sampler.step = TreeVerifyInput(
             parents,
             max_depth,
@@ -252,24 +246,22 @@ class DDTreeModelRunnerMixin:
         tree = tree_attention_info(layout, tree_rows, ctx_len, max_depth)
         return VerifyPlan(layout, linear_positions, tree)
 
-    def _shift_to_depth_positions(
+    def _shift_to_mrope_depth_positions(
         self, total: int, node_tokens: torch.Tensor, shift: torch.Tensor
     ) -> torch.Tensor:
-        """Move each tree node from its linear position to the root's
-        position plus its depth (``shift`` per node token); returns the
-        batch's first ``total`` positions as they were.
+        """Move each tree node of an M-RoPE target from its linear position
+        to the root's position plus its depth (``shift`` per node token);
+        returns the batch's first ``total`` M-RoPE positions as they were.
 
         M-RoPE targets (Qwen3.5) read their positions from three rows; a
         generated (text) token has the same position in all three, so the
-        rows move together, and the returned positions are the three rows
-        (the DFlash drafter takes the first, as vLLM's proposer does).
+        rows move together (and the 1-D positions with them), and the
+        returned positions are the three rows (the DFlash drafter takes the
+        first, as vLLM's proposer does).
         """
-        if self.uses_mrope:
-            mrope = self.mrope_positions.gpu
-            linear = mrope[:, :total].clone()
-            mrope[:, node_tokens] += shift
-        else:
-            linear = self.positions[:total].clone()
+        mrope = self.mrope_positions.gpu
+        linear = mrope[:, :total].clone()
+        mrope[:, node_tokens] += shift
         self.positions[node_tokens] += shift
         return linear
 

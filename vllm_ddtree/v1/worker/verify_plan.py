@@ -8,11 +8,11 @@ tree's nodes as consecutive tokens (vLLM schedules them as draft tokens).
 the scheduler's counts and sends them in one copy (:class:`LayoutStager`
 reuses them while the layout repeats); :func:`lay_out_trees` adds every
 row's parents (gathered on the device from the last proposal) and moves the
-nodes to their depth positions (the V1 runner does the same with the torch
-pieces, keeping a copy of the linear positions), which makes a
-:class:`VerifyPlan`. After the
-walk, :func:`path_first_moves` says which node's KV goes to which slot so
-that the accepted path sits where a chain would have it.
+nodes to their depth positions (the V1 runner's M-RoPE targets use the
+torch pieces, which move three position rows), which makes a
+:class:`VerifyPlan`. After the walk, :func:`path_first_moves` says which
+node's KV goes to which slot so that the accepted path sits where a chain
+would have it.
 
 :func:`lay_out_trees` and :func:`path_first_moves` are each one Triton
 launch on a GPU (:mod:`vllm_ddtree.v1.ops.triton_verify_step`); their torch
@@ -180,7 +180,7 @@ def tree_rows_of(
 
 def lay_out_trees(
     layout: StagedLayout,
-    tree_shapes: tuple[torch.Tensor, torch.Tensor],
+    tree_shapes: tuple[torch.Tensor, torch.Tensor] | None,
     tree_row: torch.Tensor,
     positions: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -188,10 +188,11 @@ def lay_out_trees(
     """Every row's ``parents [R, W]`` (root column and padding ``-1``) and
     the batch's :class:`TreeRows`, from the proposal trees ``tree_shapes``
     (``(parents, depths)`` as in :class:`DraftTrees`, row ``tree_row[r]``
-    for batch row ``r``, ``-1``: a chain; see :func:`gather_tree_layout`).
-    Moves every node's ``positions`` (``[tokens]``, linear on entry) to its
-    root's position plus its depth, in place."""
-    if positions.is_cuda:
+    for batch row ``r``, ``-1``: a chain; ``None``, no proposal: all chains;
+    see :func:`gather_tree_layout`). Moves every node's ``positions``
+    (``[tokens]``, linear on entry) to its root's position plus its depth,
+    in place."""
+    if positions.is_cuda and tree_shapes is not None:
         # Imported here: only GPU processes need Triton.
         from vllm_ddtree.v1.ops.triton_verify_step import lay_out_trees_triton
 
@@ -201,7 +202,7 @@ def lay_out_trees(
 
 def lay_out_trees_torch(
     layout: StagedLayout,
-    tree_shapes: tuple[torch.Tensor, torch.Tensor],
+    tree_shapes: tuple[torch.Tensor, torch.Tensor] | None,
     tree_row: torch.Tensor,
     positions: torch.Tensor,
     seq_lens: torch.Tensor,
