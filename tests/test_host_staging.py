@@ -75,3 +75,14 @@ def test_layout_stager_reuses_a_repeated_layout():
     assert len(uploads) == 4 and all(o is not first for o in others)
     assert stager(nodes, ends) is not first  # evicted (capacity 2)
     assert len(uploads) == 5
+
+
+def test_aligned_planes_start_on_16_bytes():
+    """Planes of odd sizes (an odd R * B) each start where a fresh tensor
+    would, for every dtype the kernels take one pointer per plane of."""
+    from vllm_ddtree.v1.ops.triton_tree_cores import aligned_planes
+
+    for dtype in (torch.int32, torch.int64, torch.float32):
+        planes = aligned_planes(3, (3, 5), dtype, "cpu")
+        assert planes.shape == (3, 3, 5) and planes[1].stride() == (5, 1)
+        assert [p.data_ptr() % 16 for p in planes] == [0, 0, 0]
