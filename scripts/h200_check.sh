@@ -42,7 +42,8 @@
 #   bash scripts/h200_check.sh profile # DDTree B=64 and DFlash (V1) steps of dummy Qwen3-8B profiled (~9 min)
 #   bash scripts/h200_check.sh profile-pair  # the trained pair's steps profiled, all on the V2
 #                                          # runner, async: DDTree B=64 and DFlash (PROFILE_METHODS,
-#                                          # PROFILE_BATCH); trains a 3-minute pair first if
+#                                          # PROFILE_BATCH, PROFILE_BUDGET: DDTree's B,
+#                                          # default 64); trains a 3-minute pair first if
 #                                          # /tmp/pair-h200 has none (then one profile fits
 #                                          # the call, the rest are skipped: call again), ~6 min
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
@@ -56,7 +57,8 @@
 #   bash scripts/h200_check.sh e2e-async-v2  # + DDTree B=64 on the V2 runner, same table
 #                                            # (E2E_SCHEDULE: trees sized by batch size)
 #   bash scripts/h200_check.sh train-e2e-async-v2  # a 3-minute pair and all three
-#                                            # async rows in one call (E2E_BATCH_SIZES)
+#                                            # async rows in one call (E2E_BATCH_SIZES;
+#                                            # E2E_METHODS, E2E_BUDGETS: DDTree's Bs, default 64)
 # (train and e2e, e2e-8b and its -flash / -v1 additions run back to back: /tmp survives
 # only while the machine stays warm.)
 # Every engine runs in a process of its own (in-process engines neither free
@@ -164,7 +166,7 @@ profile_pair() {  # the pair's DDTree (V2 runner) and DFlash steps, async, profi
       continue
     fi
     step "profile-pair-$method" 200 python3 benchmarks/profile_ddtree_step.py \
-      --pair /tmp/pair-h200 --method "$method" --runner v2 --budget 64 \
+      --pair /tmp/pair-h200 --method "$method" --runner v2 --budget "${PROFILE_BUDGET:-64}" \
       --batch "${PROFILE_BATCH:-1}" --prompt-len 64 --max-tokens 128 --async-scheduling \
       --out "/tmp/prof-pair/$method"
   done
@@ -438,14 +440,15 @@ e2e-async)
 e2e-async-v2)
   # The same table, DDTree on the V2 runner (E2E_METHODS, default ddtree-v2);
   # E2E_SCHEDULE (e.g. 1-1:64,2-1024:15) sizes its trees by batch size.
-  e2e_pair 560 e2e-h200-async "${E2E_METHODS:-ddtree-v2}" 64 --async-scheduling \
+  e2e_pair 560 e2e-h200-async "${E2E_METHODS:-ddtree-v2}" "${E2E_BUDGETS:-64}" --async-scheduling \
     --fixed-budget ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"}
   ;;
 train-e2e-async-v2)
   # A 3-minute pair, then no-spec, DFlash and DDTree on the V2 runner, all
   # async, in one call (E2E_BATCH_SIZES, e.g. 1,16, keeps it inside 600 s).
   train_pair "${TRAIN_MINUTES:-3}" $((${TRAIN_MINUTES:-3} * 60 + 60))
-  e2e_pair $((585 - SECONDS)) e2e-h200-async nospec,dflash,ddtree-v2 64 \
+  e2e_pair $((585 - SECONDS)) e2e-h200-async "${E2E_METHODS:-nospec,dflash,ddtree-v2}" \
+    "${E2E_BUDGETS:-64}" \
     --async-scheduling --fixed-budget ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"}
   ;;
 caches)
