@@ -43,7 +43,9 @@
 #   bash scripts/h200_check.sh profile-pair  # the trained pair's steps profiled, all on the V2
 #                                          # runner, async: DDTree B=64 and DFlash (PROFILE_METHODS,
 #                                          # PROFILE_BATCH, PROFILE_BUDGET: DDTree's B,
-#                                          # default 64); trains a 3-minute pair first if
+#                                          # default 64; PROFILE_CAPTURE: vLLM's largest
+#                                          # CUDA graph, for batches of more than 512
+#                                          # tokens); trains a 3-minute pair first if
 #                                          # /tmp/pair-h200 has none (then one profile fits
 #                                          # the call, the rest are skipped: call again), ~6 min
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
@@ -168,6 +170,7 @@ profile_pair() {  # the pair's DDTree (V2 runner) and DFlash steps, async, profi
     step "profile-pair-$method" 200 python3 benchmarks/profile_ddtree_step.py \
       --pair /tmp/pair-h200 --method "$method" --runner v2 --budget "${PROFILE_BUDGET:-64}" \
       --batch "${PROFILE_BATCH:-1}" --prompt-len 64 --max-tokens 128 --async-scheduling \
+      ${PROFILE_CAPTURE:+--max-cudagraph-capture-size "$PROFILE_CAPTURE"} \
       --out "/tmp/prof-pair/$method"
   done
   tar czf "$out/profile-pair.tgz" -C /tmp prof-pair
