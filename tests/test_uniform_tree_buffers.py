@@ -248,6 +248,38 @@ def test_flash_builder_attaches_uniform_or_published_trees():
     assert not getattr(mixed, "tree_flash_context", False)
 
 
+def test_schedule_without_speculation_keeps_decode_batches_stock():
+    """``K = 0`` in the batch-size schedule turns speculation off at those
+    sizes: their one-token decode batches must not match buffers of one
+    node, which would run the tree kernel instead of the stock one."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.v1.attention.backends.tree_attn import (
+        TreeMetadataBuilderMixin,
+        uniform_tree_buffers,
+    )
+
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            num_speculative_tokens=8,
+            num_speculative_tokens_per_batch_size=[(1, 1, 8), (2, 16, 0)],
+        ),
+        model_config=SimpleNamespace(max_model_len=64),
+    )
+    builder = TreeMetadataBuilderMixin()
+    builder.uniform_trees = uniform_tree_buffers(config, 4, torch.device("cpu"))
+    assert sorted(builder.uniform_trees) == [9]
+    metadata = SimpleNamespace(block_table=torch.zeros(2, 4, dtype=torch.int32))
+    cm = SimpleNamespace(
+        causal=True,
+        query_start_loc_cpu=torch.tensor([0, 1, 2]),
+        num_reqs=2,
+        seq_lens=torch.tensor([5, 9], dtype=torch.int32),
+    )
+    assert not builder._attach_tree(metadata, cm, None)
+    assert metadata.tree is None
+
+
 def test_schedule_widths_get_buffers_of_their_own():
     """Under a batch-size schedule vLLM captures full graphs for every draft
     length K (V2 runner): a uniform batch of ``1 + K``-node trees must get

@@ -268,10 +268,12 @@ def uniform_tree_buffers(
     vLLM's batch-size schedule (``num_speculative_tokens_per_batch_size``,
     whose every draft length K gets graphs of its own on the V2 runner),
     ``1 + K``. A captured length without buffers would replay the chain
-    attention its capture saw over the step's trees."""
+    attention its capture saw over the step's trees. ``K = 0`` (no
+    speculation at those batch sizes) gets none: its one-token decode
+    batches have no tree and keep the stock kernel."""
     spec = vllm_config.speculative_config
     schedule = spec.num_speculative_tokens_per_batch_size or ()
-    widths = {1 + spec.num_speculative_tokens} | {1 + k for *_, k in schedule}
+    widths = {1 + spec.num_speculative_tokens} | {1 + k for *_, k in schedule if k}
     max_model_len = vllm_config.model_config.max_model_len
     return {
         n: UniformTreeBuffers(max_num_reqs, n, max_model_len, device)
