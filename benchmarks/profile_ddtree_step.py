@@ -167,6 +167,12 @@ def main() -> None:
     )
     ap.add_argument("--budget", type=int, default=64, help="DDTree's tree budget B")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (T > 0: seeded per request, for repeatable steps)",
+    )
     ap.add_argument("--prompt-len", type=int, default=768)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--load-format", default="dummy")
@@ -234,7 +240,15 @@ def main() -> None:
         )
         for r in range(args.batch)
     ]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = [
+        SamplingParams(
+            temperature=args.temperature,
+            seed=r if args.temperature > 0 else None,
+            max_tokens=args.max_tokens,
+            ignore_eos=True,
+        )
+        for r in range(args.batch)
+    ]
 
     def decode() -> None:
         llm.generate(prompts, params, use_tqdm=False)
@@ -250,6 +264,7 @@ def main() -> None:
         "method": args.method,
         "budget": args.budget,
         "batch": args.batch,
+        "temperature": args.temperature,
         "runner": args.runner,
         "async_scheduling": args.async_scheduling,
         "steps": steps,

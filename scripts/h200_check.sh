@@ -45,7 +45,8 @@
 #                                          # PROFILE_BATCH, PROFILE_BUDGET: DDTree's B,
 #                                          # default 64; PROFILE_CAPTURE: vLLM's largest
 #                                          # CUDA graph, for batches of more than 512
-#                                          # tokens); trains a 3-minute pair first if
+#                                          # tokens; PROFILE_TEMPERATURE); trains a
+#                                          # 3-minute pair first if
 #                                          # /tmp/pair-h200 has none (then one profile fits
 #                                          # the call, the rest are skipped: call again), ~6 min
 #   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
@@ -170,6 +171,7 @@ profile_pair() {  # the pair's DDTree (V2 runner) and DFlash steps, async, profi
     step "profile-pair-$method" 200 python3 benchmarks/profile_ddtree_step.py \
       --pair /tmp/pair-h200 --method "$method" --runner v2 --budget "${PROFILE_BUDGET:-64}" \
       --batch "${PROFILE_BATCH:-1}" --prompt-len 64 --max-tokens 128 --async-scheduling \
+      --temperature "${PROFILE_TEMPERATURE:-0}" \
       ${PROFILE_CAPTURE:+--max-cudagraph-capture-size "$PROFILE_CAPTURE"} \
       --out "/tmp/prof-pair/$method"
   done
@@ -450,7 +452,8 @@ train-e2e-async-v2)
   # A 3-minute pair, then no-spec, DFlash and DDTree on the V2 runner, all
   # async, in one call (E2E_BATCH_SIZES, e.g. 1,16, keeps it inside 600 s).
   train_pair "${TRAIN_MINUTES:-3}" $((${TRAIN_MINUTES:-3} * 60 + 60))
-  e2e_pair $((585 - SECONDS)) e2e-h200-async "${E2E_METHODS:-nospec,dflash,ddtree-v2}" \
+  # E2E_END: the call's end in seconds (default 585), e.g. the device time left.
+  e2e_pair $((${E2E_END:-585} - SECONDS)) e2e-h200-async "${E2E_METHODS:-nospec,dflash,ddtree-v2}" \
     "${E2E_BUDGETS:-64}" \
     --async-scheduling --fixed-budget ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"}
   ;;
