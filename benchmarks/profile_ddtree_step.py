@@ -7,8 +7,10 @@ times a decode of ``--max-tokens`` tokens and examines more decodes:
 
 * ``phases.json``: host wall time per step of each engine phase (scheduler,
   the runner's input preparation, forward launch, sampler, state update,
-  drafting, the bookkeeping sync that waits for the device, ...), measured
-  with plain timers around those methods (inclusive: nested phases count in
+  drafting, the bookkeeping sync that waits for the device, ...) and of
+  each piece DDTree adds (lay-out, tree metadata, walk, commit, the
+  drafter's hand-over) beside the stock pieces it adds to, measured with
+  plain timers around those functions (inclusive: nested phases count in
   their callers too);
 * ``cprofile.txt``: Python time by function (host-side overhead), then the
   callers of every host-device sync (``.cpu()``, ``.item()``, ...);
@@ -82,6 +84,64 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+# Functions timed where the step calls them (``module:attr`` or
+# ``module:Class.attr``; class attributes are patched on the class, so
+# ``__call__`` and inherited methods count too), for the host cost of each
+# DDTree piece beside the stock ones it adds to. Inclusive, like PHASES.
+FUNCTIONS: tuple[str, ...] = (
+    # DDTree, V2 runner
+    "vllm_ddtree.v1.worker.verify_plan:LayoutStager.__call__",
+    "vllm_ddtree.v1.worker.gpu.model_runner:lay_out_trees",
+    "vllm_ddtree.v1.worker.gpu.model_runner:tree_attention_info",
+    "vllm_ddtree.v1.worker.gpu.model_runner:path_first_moves",
+    "vllm_ddtree.v1.worker.gpu.model_runner:compact_kv",
+    "vllm_ddtree.v1.attention.backends.tree_attn:TreeMetadataBuilderMixin._attach_tree",
+    "vllm_ddtree.v1.attention.backends.tree_attn:UniformTreeBuffers.fill",
+    "vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler:"
+    "TreeWalkSampler.__call__",
+    "vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler:walk_trees_triton",
+    "vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator:DDTreeSpeculator.propose",
+    "vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator:_permute_head",
+    # the stock pieces beside them
+    "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__",
+    "vllm.v1.worker.gpu.sample.sampler:Sampler.sample",
+    "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.propose",
+    "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.build",
+)
+
+
+def _patch_functions(timed_by_label: Any) -> list[tuple[Any, str, Any]]:
+    """Wrap every importable entry of :data:`FUNCTIONS` with
+    ``timed_by_label(label, fn)``; returns what :func:`_unpatch` restores."""
+    import importlib
+
+    patched = []
+    for entry in FUNCTIONS:
+        module_name, _, qualname = entry.partition(":")
+        try:
+            owner = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        *outer, name = qualname.split(".")
+        for part in outer:
+            owner = getattr(owner, part, None)
+        fn = getattr(owner, name, None) if owner is not None else None
+        if fn is None:
+            continue
+        own = vars(owner).get(name)
+        setattr(owner, name, functools.wraps(fn)(timed_by_label(qualname, fn)))
+        patched.append((owner, name, own))
+    return patched
+
+
+def _unpatch(patched: list[tuple[Any, str, Any]]) -> None:
+    for owner, name, own in reversed(patched):
+        if own is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, own)
+
+
 def _resolve(core: Any, path: str) -> Any:
     runner = core.model_executor.driver_worker.worker.model_runner
     obj = core
@@ -97,6 +157,18 @@ def time_phases(llm: Any, run: Any, steps: int) -> dict[str, dict[str, float]]:
     core = llm.llm_engine.engine_core.engine_core
     totals: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
+
+    def timed_by_label(label: str, method: Any) -> Any:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                totals[label] += time.perf_counter() - start
+                calls[label] += 1
+
+        return timed
+
     installed = []
     for path, names in PHASES:
         owner = _resolve(core, path)
@@ -104,21 +176,14 @@ def time_phases(llm: Any, run: Any, steps: int) -> dict[str, dict[str, float]]:
             method = getattr(owner, name, None) if owner is not None else None
             if method is None:
                 continue
-            label = f"{path}.{name}"
-
-            def timed(*args, _method=method, _label=label, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return _method(*args, **kwargs)
-                finally:
-                    totals[_label] += time.perf_counter() - start
-                    calls[_label] += 1
-
-            setattr(owner, name, functools.wraps(method)(timed))
+            wrapped = timed_by_label(f"{path}.{name}", method)
+            setattr(owner, name, functools.wraps(method)(wrapped))
             installed.append((owner, name))
+    patched = _patch_functions(timed_by_label)
     try:
         run()
     finally:
+        _unpatch(patched)
         for owner, name in installed:
             delattr(owner, name)
     return {
