@@ -66,7 +66,8 @@ def test_generate_draft_builds_best_first_trees():
     assert not spec.trees.tokens[num_reqs:].any()
 
 
-def test_propose_reorders_hidden_states_and_keeps_trees_by_slot(monkeypatch):
+@pytest.mark.parametrize("with_aux", [True, False])
+def test_propose_reorders_hidden_states_and_keeps_trees_by_slot(monkeypatch, with_aux):
     spec = _speculator()
     seen = {}
 
@@ -81,15 +82,22 @@ def test_propose_reorders_hidden_states_and_keeps_trees_by_slot(monkeypatch):
         num_reqs=2, idx_mapping=torch.tensor([3, 1], dtype=torch.int32)
     )
     hidden = torch.arange(7.0)[:, None].repeat(1, 2)  # 5 tokens + 2 padding rows
-    aux = [hidden + 100]
+    # Target layers' states, as DFlash concatenates them (when it has them it
+    # reads nothing else).
+    aux = [hidden + 100, hidden + 200] if with_aux else None
     order = torch.tensor([0, 2, 1, 3, 4])
+    permuted = [0, 2, 1, 3, 4, 5, 6]
     spec.set_accepted_order(order)
     drafts = spec.propose(
         batch, None, None, hidden, aux, "num_sampled", dummy_run=False
     )
 
-    assert seen["hidden"][:, 0].tolist() == [0, 2, 1, 3, 4, 5, 6]
-    assert seen["aux"][0][:, 0].tolist() == [100, 102, 101, 103, 104, 105, 106]
+    if with_aux:
+        want = torch.cat(aux, dim=-1)[permuted]
+        assert torch.equal(torch.cat(seen["aux"], dim=-1), want)
+    else:
+        assert seen["aux"] is None
+        assert seen["hidden"][:, 0].tolist() == permuted
     assert seen["args"] == ("num_sampled",) and seen["kwargs"] == {"dummy_run": False}
     assert torch.equal(drafts, spec.trees.tokens[:2])
     req_parents, req_depths = spec.req_tree_shapes
@@ -100,6 +108,8 @@ def test_propose_reorders_hidden_states_and_keeps_trees_by_slot(monkeypatch):
     # The order is used once: the next proposal keeps vLLM's order.
     spec.propose(batch, None, None, hidden, aux)
     assert seen["hidden"][:, 0].tolist() == list(range(7))
+    if with_aux:
+        assert torch.equal(torch.cat(seen["aux"], dim=-1), torch.cat(aux, dim=-1))
 
 
 @pytest.mark.parametrize("rows", [5, 7])

@@ -140,9 +140,16 @@ class DDTreeSpeculator(DFlashSpeculator):
     ) -> torch.Tensor:
         order, self._accepted_order = self._accepted_order, None
         if order is not None:
-            last_hidden_states = _permute_head(last_hidden_states, order)
             if aux_hidden_states:
-                aux_hidden_states = [_permute_head(h, order) for h in aux_hidden_states]
+                # DFlash reads its target layers' states alone when it has
+                # them (their concatenation, first thing): one gather of the
+                # concatenation rather than one per layer and one of the
+                # last hidden states, which it then does not read.
+                aux_hidden_states = [
+                    _permute_head(torch.cat(aux_hidden_states, dim=-1), order)
+                ]
+            else:
+                last_hidden_states = _permute_head(last_hidden_states, order)
         super().propose(
             input_batch,
             attn_metadata,
