@@ -14,7 +14,13 @@ per (method, budget, batch, temperature):
   accepted counters);
 * per-step time = wall time / engine iterations (``vllm:iteration_tokens_total``
   observations, prefill steps included);
-* ratios DDTree/DFlash and DDTree/no-spec tok/s at the same batch and T.
+* ratios DDTree/DFlash and DDTree/no-spec tok/s at the same batch and T;
+* ``= no-spec``: the share of the first wave's requests (the same prompts,
+  and seeds at T > 0, for every method) whose output equals no-spec's, so
+  that every run also checks outputs at scale. Expect 100% at T = 0 up to
+  the target's numerics (a verify batch's shapes differ from no-spec's; in
+  bf16 an argmax near a tie can flip), and at T > 0 for DDTree, whose
+  seeded draws are no-spec's on a GPU, but not for stock DFlash.
 
 Results accumulate in ``OUT/rows/*.json`` (one file per engine), so a sweep can
 be split over several time-limited calls; each call rewrites
@@ -48,6 +54,7 @@ so that the runner's own per-step cost can be told from DDTree's.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -185,8 +192,11 @@ def run_worker(job: dict) -> list[dict]:
     async_scheduling = bool(scheduler_config.async_scheduling)
     pool = _prompts(job)
 
-    def wave(first: int, batch: int, temperature: float, max_tokens: int) -> int:
-        """Run requests ``first .. first + batch - 1`` together; tokens out."""
+    def wave(
+        first: int, batch: int, temperature: float, max_tokens: int
+    ) -> list[list[int]]:
+        """Run requests ``first .. first + batch - 1`` together; their
+        output token ids."""
         ks = range(first, first + batch)
         outs = llm.generate(
             [TokensPrompt(prompt_token_ids=pool[k % len(pool)]) for k in ks],
@@ -201,7 +211,7 @@ def run_worker(job: dict) -> list[dict]:
             ],
             use_tqdm=False,
         )
-        return sum(len(o.outputs[0].token_ids) for o in outs)
+        return [list(o.outputs[0].token_ids) for o in outs]
 
     rows = []
     is_ddtree = _base_method(job["method"]) == "ddtree"
@@ -215,8 +225,13 @@ def run_worker(job: dict) -> list[dict]:
             before = _counters(llm)
             start = time.perf_counter()
             tokens = waves = 0
+            digests: list[str] = []
             while waves < min_waves or time.perf_counter() - start < job["min_seconds"]:
-                tokens += wave(waves * batch, batch, temperature, job["max_tokens"])
+                outputs = wave(waves * batch, batch, temperature, job["max_tokens"])
+                tokens += sum(map(len, outputs))
+                # Every method runs the same first wave (same prompts, same
+                # seeds at T > 0): its outputs compare across methods.
+                digests = digests or [output_digest(ids) for ids in outputs]
                 waves += 1
             seconds = time.perf_counter() - start
             after = _counters(llm)
@@ -254,6 +269,7 @@ def run_worker(job: dict) -> list[dict]:
                     "nodes_per_draft": draft_tokens / drafts if drafts else 0.0,
                     "accepted": accepted,
                     "tau": 1.0 + accepted / drafts if drafts else 1.0,
+                    "output_digests": digests,
                     "accept_hist": _trim_histogram(
                         acceptance_histogram(per_pos, drafts)
                     )
@@ -281,17 +297,34 @@ def _key(r: dict) -> tuple:
     return (r["batch"], r["temperature"])
 
 
+def output_digest(token_ids: list[int]) -> str:
+    """A short fingerprint of one request's output tokens."""
+    data = ",".join(map(str, token_ids)).encode()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
 def add_ratios(rows: list[dict]) -> list[dict]:
     """Attach ``vs_dflash`` / ``vs_nospec`` tok/s ratios to every row (the
-    baselines at the same batch size and temperature)."""
+    baselines at the same batch size and temperature), and ``same_as_nospec``:
+    the share of the first wave's requests whose output equals no-spec's
+    (greedy, or seeded where the method draws as no-spec does)."""
     base: dict[str, dict[tuple, float]] = {"nospec": {}, "dflash": {}}
+    nospec_outputs: dict[tuple, list[str]] = {}
     for r in rows:
         if r["method"] in base:
             base[r["method"]][_key(r)] = r["tok_s"]
+        if r["method"] == "nospec" and r.get("output_digests"):
+            nospec_outputs[_key(r)] = r["output_digests"]
     for r in rows:
         for name in ("dflash", "nospec"):
             ref = base[name].get(_key(r))
             r[f"vs_{name}"] = r["tok_s"] / ref if ref else None
+        want, got = nospec_outputs.get(_key(r)), r.get("output_digests")
+        r["same_as_nospec"] = (
+            sum(map(str.__eq__, want, got)) / len(want)
+            if want and got and len(want) == len(got)
+            else None
+        )
     return rows
 
 
@@ -304,8 +337,8 @@ def _fmt(x: float | None, spec: str) -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         "| batch | T | method | B | nodes | tok/s | tau | step ms | vs DFlash "
-        "| vs no-spec |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| vs no-spec | = no-spec |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     order = {m: i for i, m in enumerate(METHODS)}
     for r in sorted(
@@ -328,7 +361,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['batch']} | {r['temperature']:g} | {method} | {budget} "
             f"| {_fmt(nodes, '.1f')} | {r['tok_s']:.1f} | {_fmt(tau, '.2f')} "
             f"| {r['step_ms']:.2f} "
-            f"| {_fmt(r['vs_dflash'], '.2f')} | {_fmt(r['vs_nospec'], '.2f')} |"
+            f"| {_fmt(r['vs_dflash'], '.2f')} | {_fmt(r['vs_nospec'], '.2f')} "
+            f"| {_fmt(r.get('same_as_nospec'), '.0%')} |"
         )
     return "\n".join(lines) + "\n"
 

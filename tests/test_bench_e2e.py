@@ -21,6 +21,7 @@ from benchmarks.bench_e2e import (
     batch_schedule,
     batch_schedules,
     histogram_rows,
+    output_digest,
     speedup_series,
     table,
 )
@@ -43,30 +44,44 @@ def _row(method, tok_s, budget=None, **extra):
 
 
 def test_ratios_and_table():
+    reference = [output_digest([5, 6, 7]), output_digest([8, 9])]
     rows = add_ratios(
         [
-            _row("nospec", 100.0),
-            _row("dflash", 200.0, DFLASH_DRAFTS, nodes_per_draft=15.0),
-            _row("ddtree", 300.0, 64, nodes_per_draft=37.5),
-            # A row written before the draft-token counter existed.
+            _row("nospec", 100.0, output_digests=reference),
+            _row(
+                "dflash",
+                200.0,
+                DFLASH_DRAFTS,
+                nodes_per_draft=15.0,
+                output_digests=[reference[0], output_digest([8, 10])],
+            ),
+            _row("ddtree", 300.0, 64, nodes_per_draft=37.5, output_digests=reference),
+            # A row written before the draft-token counter and the outputs.
             _row("ddtree", 250.0, 16),
         ]
     )
     assert [r["vs_dflash"] for r in rows] == [0.5, 1.0, 1.5, 1.25]
     assert [r["vs_nospec"] for r in rows] == [1.0, 2.0, 3.0, 2.5]
+    assert [r["same_as_nospec"] for r in rows] == [1.0, 0.5, 1.0, None]
     lines = table(rows).splitlines()
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert header[4] == "nodes"
+    assert header[4] == "nodes" and header[-1] == "= no-spec"
     cells = {
-        (r[2], r[3]): r[4]
+        (r[2], r[3]): (r[4], r[-1])
         for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
     }
     assert cells == {
-        ("nospec", "-"): "-",
-        ("dflash", "-"): "15.0",
-        ("ddtree", "64"): "37.5",
-        ("ddtree", "16"): "-",
+        ("nospec", "-"): ("-", "100%"),
+        ("dflash", "-"): ("15.0", "50%"),
+        ("ddtree", "64"): ("37.5", "100%"),
+        ("ddtree", "16"): ("-", "-"),
     }
+
+
+def test_output_digest_tells_outputs_apart():
+    assert output_digest([1, 2, 3]) == output_digest([1, 2, 3])
+    assert output_digest([1, 2, 3]) != output_digest([1, 2])
+    assert output_digest([12, 3]) != output_digest([1, 23])
 
 
 def _args(budgets, size_for_budget=None, async_scheduling=False):
