@@ -142,9 +142,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         if order is not None:
             if aux_hidden_states:
                 # DFlash reads its target layers' states alone when it has
-                # them (their concatenation, first thing): one gather of the
+                # them (their concatenation, first thing, in vLLM 0.26.0's
+                # ``DFlashSpeculator.propose``): one gather of the
                 # concatenation rather than one per layer and one of the
-                # last hidden states, which it then does not read.
+                # last hidden states, which it then does not read. A wrong
+                # order here costs acceptance, never correctness.
                 aux_hidden_states = [
                     _permute_head(torch.cat(aux_hidden_states, dim=-1), order)
                 ]
