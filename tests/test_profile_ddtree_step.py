@@ -1,0 +1,50 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The step profiler's per-function timers (benchmarks/profile_ddtree_step.py),
+no engine: every entry names a function of this vLLM and of the plugin (a
+renamed one would silently drop out of the profile), and the timers come
+off again."""
+
+from __future__ import annotations
+
+from benchmarks.profile_ddtree_step import FUNCTIONS, _patch_functions, _unpatch
+from vllm_ddtree.v1.attention.backends.tree_attn import UniformTreeBuffers
+from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree import rejection_sampler
+
+
+def test_every_timed_function_resolves_and_is_restored():
+    fill = UniformTreeBuffers.fill
+    walk = rejection_sampler.walk_trees_triton
+    wrapped: list[str] = []
+
+    def timed_by_label(label, fn):
+        wrapped.append(label)
+        return lambda *args, **kwargs: fn(*args, **kwargs)
+
+    patched = _patch_functions(timed_by_label)
+    try:
+        assert len(patched) == len(FUNCTIONS)
+        assert wrapped == [entry.partition(":")[2] for entry in FUNCTIONS]
+        assert UniformTreeBuffers.fill is not fill
+    finally:
+        _unpatch(patched)
+    assert UniformTreeBuffers.fill is fill
+    assert rejection_sampler.walk_trees_triton is walk
+    assert "__call__" in vars(rejection_sampler.TreeWalkSampler)
+
+
+def test_an_inherited_method_is_timed_on_the_subclass_and_removed(monkeypatch):
+    from benchmarks import profile_ddtree_step
+    from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator import (
+        DDTreeSpeculator,
+    )
+
+    entry = (
+        "vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator:"
+        "DDTreeSpeculator._run_model"
+    )
+    monkeypatch.setattr(profile_ddtree_step, "FUNCTIONS", (entry,))
+    assert "_run_model" not in vars(DDTreeSpeculator)
+    patched = _patch_functions(lambda label, fn: lambda *a, **k: fn(*a, **k))
+    assert "_run_model" in vars(DDTreeSpeculator)
+    _unpatch(patched)
+    assert "_run_model" not in vars(DDTreeSpeculator)
