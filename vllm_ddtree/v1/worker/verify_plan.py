@@ -81,9 +81,9 @@ def stage_layout(
     num_nodes = num_nodes.astype(np.int64)
     query_end = query_end.astype(np.int64)
     root_index = query_end - num_nodes
-    rows_host = VerifyRows.host_arrays(num_nodes - 1)
-    node_rows, node_ids = np.nonzero(rows_host[3])
     num_drafts = num_nodes - 1
+    rows_host = VerifyRows.host_arrays(num_drafts)
+    node_rows, node_ids = np.nonzero(rows_host[3])
     tree_rows = np.nonzero(num_drafts > 0)[0]
     tree_index = np.full(len(num_nodes), -1, dtype=np.int64)
     tree_index[tree_rows] = np.arange(len(tree_rows))
