@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import faulthandler
 import functools
 import io
 import json
@@ -246,6 +247,13 @@ def main() -> None:
         action="store_true",
         help="vLLM's async scheduling (host phases then overlap the GPU's)",
     )
+    ap.add_argument(
+        "--decode-timeout",
+        type=float,
+        default=90.0,
+        help="seconds a decode may take before every thread's stack is "
+        "printed and the run ends (a hung step names itself)",
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     prompt_ids = None
@@ -316,7 +324,12 @@ def main() -> None:
     ]
 
     def decode() -> None:
-        llm.generate(prompts, params, use_tqdm=False)
+        # The engine runs in this process: on a hang, the stacks show where.
+        faulthandler.dump_traceback_later(args.decode_timeout, exit=True)
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
     decode()  # warm-up on the exact shape
     on_gpu = torch.cuda.is_available()
