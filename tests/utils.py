@@ -441,6 +441,7 @@ _KERNEL_MODULES = (
     "vllm_ddtree.v1.ops.triton_kv_commit",
     "vllm_ddtree.v1.ops.triton_tree_cores",
     "vllm_ddtree.v1.ops.triton_tree_gdn",
+    "vllm_ddtree.v1.ops.triton_verify_step",
 )
 
 
