@@ -155,7 +155,22 @@ def test_v2_runner_needs_a_gpu(monkeypatch):
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     with pytest.raises(ValueError, match="model_runner 'v2' needs a CUDA GPU"):
         plugin._configure_engine(
-            SimpleNamespace(), SimpleNamespace(), {"model_runner": "v2"}
+            SimpleNamespace(),
+            SimpleNamespace(pipeline_parallel_size=1),
+            {"model_runner": "v2"},
+        )
+    assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") is None
+
+
+def test_pipeline_parallelism_is_refused_by_name(monkeypatch):
+    """Only the last pipeline stage knows the accepted path; the others
+    could not commit their layers' KV. Refused before anything is set."""
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    with pytest.raises(ValueError, match="pipeline_parallel_size = 2"):
+        plugin._configure_engine(
+            SimpleNamespace(), SimpleNamespace(pipeline_parallel_size=2), {}
         )
     assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") is None
 

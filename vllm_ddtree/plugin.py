@@ -317,6 +317,16 @@ def _configure_engine(engine_args, parallel_config, options: dict[str, Any]) -> 
     worker."""
     from vllm.platforms import current_platform
 
+    if parallel_config.pipeline_parallel_size > 1:
+        # The walk's path exists on the last stage only (after the sampler),
+        # and every stage's attention layers need it for the KV commit.
+        raise ValueError(
+            f"method 'ddtree' does not support pipeline parallelism "
+            f"(pipeline_parallel_size = {parallel_config.pipeline_parallel_size}): "
+            f"the accepted path is known on the last stage only, while every "
+            f"stage must commit its layers' KV. Set pipeline_parallel_size to 1 "
+            f"(tensor_parallel_size splits the model instead)."
+        )
     runner = options.get("model_runner", "v1")
     wanted = "1" if runner == "v2" else "0"
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", wanted) not in (wanted, ""):
