@@ -29,6 +29,8 @@ from tests.utils import interpreted_case, interpreter_fixture, run_case
 CASES: dict[str, tuple[int, int, int, int]] = {
     "mixed": (6, 17, 6, 11),
     "budget-64": (3, 65, 15, 12),
+    # Fewer nodes than depths: the rows' columns follow the budget.
+    "budget-4": (4, 5, 15, 13),
 }
 
 
@@ -119,13 +121,17 @@ def _run(num_reqs: int, max_nodes: int, max_depth: int, seed: int) -> dict:
         num_speculative_tokens=budget, rejection_sample_method="standard"
     )
     sampler = TreeWalkSampler(
-        _stub_sampler(choices, torch.zeros(num_reqs, dtype=torch.int32)), spec, "cpu"
+        _stub_sampler(choices, torch.zeros(num_reqs, dtype=torch.int32)),
+        spec,
+        "cpu",
+        max_depth,
     )
     sampler.step = TreeWalkInput(parents, layout, max_depth)
     out = sampler(logits, batch)
 
     ref = walk_trees(tokens, parents, num_nodes, target, max_depth)
-    expected = torch.full((num_reqs, budget + 1), -1, dtype=torch.long)
+    # A column per accepted node at most, then the bonus.
+    expected = torch.full((num_reqs, min(budget, max_depth) + 1), -1, dtype=torch.long)
     for r in range(num_reqs):
         path = [int(n) for n in ref.path[r, 1:] if n >= 0]
         expected[r, : len(path)] = tokens[r, path]

@@ -77,7 +77,10 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         super().load_model(*args, **kwargs)
         if self.rejection_sampler is not None:
             self.rejection_sampler = TreeWalkSampler(
-                self.sampler, self.speculative_config, self.device
+                self.sampler,
+                self.speculative_config,
+                self.device,
+                self.ddtree.max_depth,
             )
         build = self.model_state.prepare_attn
 

@@ -10,12 +10,12 @@ node's prefix; :func:`walk_trees_triton` then follows those choices down
 each tree. No draft probabilities are involved (lossless at any
 temperature, see ``v1/sample/tree_rejection_sampler.py``).
 
-The output keeps V2's format: ``sampled [num_reqs, 1 + B]`` (the accepted
-path's tokens, then the bonus token) and ``num_sampled`` (path length + 1),
-from which V2 derives ``num_rejected``, advances each request's computed
-tokens and feeds the drafter. Logprobs are computed on the logit rows put in
-path order (each request's accepted nodes first), which is the layout V2's
-chain logprobs have.
+The output keeps V2's format: ``sampled [num_reqs, 1 + min(B,
+max_depth)]`` (the accepted path's tokens, then the bonus token) and
+``num_sampled`` (path length + 1), from which V2 derives ``num_rejected``,
+advances each request's computed tokens and feeds the drafter. Logprobs
+are computed on the logit rows put in path order (each request's accepted
+nodes first), which is the layout V2's chain logprobs have.
 """
 
 from __future__ import annotations
@@ -48,8 +48,15 @@ class TreeWalkInput:
 
 
 class TreeWalkSampler(RejectionSampler):
-    def __init__(self, sampler, spec_config, device: torch.device) -> None:
+    def __init__(
+        self, sampler, spec_config, device: torch.device, max_depth: int
+    ) -> None:
         super().__init__(sampler, spec_config, device)
+        # A path accepts at most min(B, max_depth) nodes, then the bonus: V2
+        # reads rows through their stride and ``num_sampled``, so the rows
+        # need no column per node of the budget (a row of 1 + B columns
+        # costs the step's device-to-host copy and V2's host-side lists).
+        self.num_columns = min(self.num_speculative_steps, max_depth) + 1
         self.step: TreeWalkInput | None = None
         self.last_walk: WalkResult | None = None
 
@@ -77,7 +84,7 @@ class TreeWalkSampler(RejectionSampler):
         layout = step.rows
         width = layout.logit_rows.shape[1]
         sampled = torch.full(
-            (input_batch.num_reqs, self.num_speculative_steps + 1),
+            (input_batch.num_reqs, self.num_columns),
             -1,
             dtype=SAMPLED_TOKEN_DTYPE,
             device=logits.device,
