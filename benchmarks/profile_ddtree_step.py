@@ -250,7 +250,7 @@ def main() -> None:
     ap.add_argument(
         "--decode-timeout",
         type=float,
-        default=90.0,
+        default=60.0,
         help="seconds a decode may take before every thread's stack is "
         "printed and the run ends (a hung step names itself)",
     )
