@@ -312,9 +312,9 @@ def _configure_scheduling(engine_args, options: dict[str, Any]) -> None:
 
 
 def _configure_engine(engine_args, parallel_config, options: dict[str, Any]) -> None:
-    """Engine settings the DDTree integration relies on: the model runner
-    (``ddtree.model_runner``, V1 unless asked), its attention backend and
-    worker."""
+    """Engine settings the DDTree integration relies on: a single pipeline
+    stage, the model runner (``ddtree.model_runner``, V1 unless asked), its
+    attention backend and worker."""
     from vllm.platforms import current_platform
 
     if parallel_config.pipeline_parallel_size > 1:
