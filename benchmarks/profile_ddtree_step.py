@@ -94,7 +94,7 @@ FUNCTIONS: tuple[str, ...] = (
     "vllm_ddtree.v1.worker.verify_plan:LayoutStager.__call__",
     "vllm_ddtree.v1.worker.gpu.model_runner:lay_out_trees",
     "vllm_ddtree.v1.worker.gpu.model_runner:tree_attention_info",
-    "vllm_ddtree.v1.worker.gpu.model_runner:path_first_moves",
+    "vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler:path_first_targets",
     "vllm_ddtree.v1.worker.gpu.model_runner:compact_kv",
     "vllm_ddtree.v1.attention.backends.tree_attn:TreeMetadataBuilderMixin._attach_tree",
     "vllm_ddtree.v1.attention.backends.tree_attn:UniformTreeBuffers.fill",

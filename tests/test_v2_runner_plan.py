@@ -6,7 +6,7 @@ vLLM's V2 runner needs a GPU, so these tests build a
 few attributes the two DDTree steps read: ``_plan_verify`` (trees gathered by
 request-state slot, depth positions in the persistent position buffer, the
 tree attention rows) and ``_commit_path`` (the KV moves of the accepted
-paths, the linear positions put back, the speculator's token order).
+paths, the speculator's token order).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from vllm_ddtree.config import DDTreeConfig
-from vllm_ddtree.v1.spec_decode.tree import DraftTrees, WalkResult
+from vllm_ddtree.v1.ops.triton_tree_cores import PathFirstMoves
+from vllm_ddtree.v1.spec_decode.tree import DraftTrees
 from vllm_ddtree.v1.worker.gpu.model_runner import DDTreeV2ModelRunner
-from vllm_ddtree.v1.worker.verify_plan import LayoutStager
+from vllm_ddtree.v1.worker.verify_plan import LayoutStager, path_first_moves
 
 # Request-state slot 2: root + nodes 1..4 with parents 0, 0, 1, 3 (depths 1,
 # 1, 2, 3); slot 0: a prefill row (no drafts) between the two trees; slot 1:
@@ -115,13 +116,14 @@ def test_commit_moves_the_accepted_path_and_restores_positions():
     path[:, 0] = 0
     path[0, 1] = 2
     path[2, 1:3] = torch.tensor([1, 2])
-    walk = WalkResult(
-        path=path,
-        num_accepted=torch.tensor([1, 0, 2]),
-        bonus=torch.zeros(3, dtype=torch.long),
+    # The walk's launch writes these on a GPU (the moves' own test:
+    # test_v2_tree_walk.py); two rows of CUDA-graph padding after the batch.
+    positions = runner.input_buffers.positions
+    moves = path_first_moves(plan.layout, path, len(case.linear) + 2, positions)
+    layout = plan.layout
+    runner._commit_path(
+        PathFirstMoves(layout.root_index, layout.draft_start, *moves, positions)
     )
-    # Two rows of CUDA-graph padding after the batch.
-    runner._commit_path(plan, walk, len(case.linear) + 2)
 
     [(src, dst)] = case.moves
     moved = dict(zip(dst.tolist(), src.tolist(), strict=True))

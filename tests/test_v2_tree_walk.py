@@ -59,13 +59,14 @@ def _num_sampled_and_rejected(num_sampled, seq_lens, cu_num_logits, idx, prefill
 
 
 def _run(num_reqs: int, max_nodes: int, max_depth: int, seed: int) -> dict:
-    from vllm_ddtree.v1.sample.tree_rejection_sampler import VerifyRows
     from vllm_ddtree.v1.spec_decode.tree import walk_trees
     from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree import rejection_sampler
     from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler import (
         TreeWalkInput,
         TreeWalkSampler,
     )
+    from vllm_ddtree.v1.worker.host_staging import HostStaging
+    from vllm_ddtree.v1.worker.verify_plan import path_first_moves_torch, stage_layout
 
     rejection_sampler.get_num_sampled_and_rejected = _num_sampled_and_rejected
     recorded = {}
@@ -82,13 +83,12 @@ def _run(num_reqs: int, max_nodes: int, max_depth: int, seed: int) -> dict:
     num_nodes[0] = 1  # a row without drafts (a prefill's last chunk)
     parents[0, 1:] = -1
     counts = num_nodes.numpy()
-    layout = VerifyRows.from_device(
-        [torch.from_numpy(a) for a in VerifyRows.host_arrays(counts - 1)]
-    )
+    cu = np.concatenate([[0], np.cumsum(counts)])
+    staged = stage_layout(HostStaging("cpu"), counts, cu[1:])
+    layout = staged.rows
     # Columns past the widest tree are padding in every row.
     width = layout.logit_rows.shape[1]
     tokens, parents, target = tokens[:, :width], parents[:, :width], target[:, :width]
-    cu = np.concatenate([[0], np.cumsum(counts)])
     num_logits = int(cu[-1])
     # Flattened verify batch: each request's root and nodes, consecutive.
     valid = layout.logit_rows.new_tensor(
@@ -115,6 +115,8 @@ def _run(num_reqs: int, max_nodes: int, max_depth: int, seed: int) -> dict:
         seq_lens=seq_lens,
         cu_num_logits=torch.from_numpy(cu.astype(np.int32)),
         cu_num_logits_np=cu.astype(np.int32),
+        # Two tokens of CUDA-graph padding.
+        num_tokens_after_padding=num_logits + 2,
     )
     budget = max_nodes - 1
     spec = SimpleNamespace(
@@ -126,8 +128,13 @@ def _run(num_reqs: int, max_nodes: int, max_depth: int, seed: int) -> dict:
         "cpu",
         max_depth,
     )
-    sampler.step = TreeWalkInput(parents, layout, max_depth)
+    # Depth positions in, linear positions back out of the walk's launch.
+    linear = torch.arange(num_logits + 2)
+    positions = linear.clone()
+    positions[staged.node_tokens] = staged.root_index[staged.node_rows] + 1
+    sampler.step = TreeWalkInput(parents, staged, max_depth, positions)
     out = sampler(logits, batch)
+    moves = sampler.last_walk.moves
 
     ref = walk_trees(tokens, parents, num_nodes, target, max_depth)
     # A column per accepted node at most, then the bonus.
@@ -143,7 +150,15 @@ def _run(num_reqs: int, max_nodes: int, max_depth: int, seed: int) -> dict:
         path = [int(n) for n in ref.path[r] if n >= 0]
         rest = [n for n in range(int(counts[r])) if n not in path]
         order += [int(cu[r]) + n for n in path + rest]
+    ref_moves = path_first_moves_torch(staged, ref.path, num_logits + 2)
     return {
+        "moves_equal": all(
+            torch.equal(got, want)
+            for got, want in zip(
+                (moves.src, moves.dst, moves.order), ref_moves, strict=True
+            )
+        ),
+        "positions_restored": torch.equal(positions, linear),
         "sampled_equal": torch.equal(out.sampled_token_ids.long(), expected),
         "num_sampled": out.num_sampled.tolist(),
         "expected_num_sampled": (ref.num_accepted + 1).tolist(),
@@ -170,6 +185,8 @@ def test_tree_walk_sampler_matches_the_torch_walk(interp_results, name):
     assert rec["num_rejected"] == rec["expected_num_rejected"], rec
     assert rec["max_accepted"] >= 2, rec  # the walks go deep
     assert rec["logprob_rows_equal"], rec
+    # The walk's launch also put the paths first, as the torch moves do.
+    assert rec["moves_equal"] and rec["positions_restored"], rec
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

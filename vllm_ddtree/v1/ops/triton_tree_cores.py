@@ -12,7 +12,9 @@ stay the CPU path and the tests' oracle.
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -26,6 +28,41 @@ from vllm_ddtree.v1.spec_decode.tree import DraftTrees, WalkResult
 # reason.
 _MIN_NODES_TILE = 64
 _MIN_DEPTH_TILE = 16
+
+
+@triton.jit
+def _path_first_row(
+    path,  # [DP]: the row's accepted path, -1 after it
+    steps,  # [DP]: 0, 1, ...
+    j,  # [NP]: 0, 1, ...
+    n,  # the row's node count
+    root,  # batch token of the row's root
+    draft_start,  # index of the row's first non-root node among all
+    SRC,
+    DST,
+    ORDER,
+    POSITIONS,
+    RESTORE: tl.constexpr,
+):
+    """Put a row's accepted path first, its other nodes after it in node
+    order: node ``j`` (batch token ``root + j``) moves to ``root + slot``
+    (``SRC`` / ``DST`` at ``draft_start + j - 1``, ``ORDER[root + slot] =
+    root + j``); with ``RESTORE`` the nodes' linear positions come back."""
+    on_step = (path[:, None] == j[None, :]) & (path[:, None] >= 0)
+    on_path = tl.sum(on_step.to(tl.int32), axis=0) > 0
+    path_slot = tl.sum(tl.where(on_step, steps[:, None], 0), axis=0)
+    path_len = tl.sum((path >= 0).to(tl.int32), axis=0)
+    off_path = (j < n) & ~on_path
+    rank = tl.cumsum(off_path.to(tl.int32), axis=0) - 1
+    slot = tl.where(on_path, path_slot, path_len + rank).to(tl.int64)
+    node = (j > 0) & (j < n)
+    k = draft_start + j - 1
+    tl.store(SRC + k, root + j, mask=node)
+    tl.store(DST + k, root + slot, mask=node)
+    tl.store(ORDER + root + slot, root + j, mask=node)
+    if RESTORE:
+        root_pos = tl.load(POSITIONS + root)
+        tl.store(POSITIONS + root + j, root_pos + j, mask=node)
 
 
 @triton.jit(
@@ -49,6 +86,12 @@ def _walk_kernel(
     NUM_ACCEPTED,
     BONUS,
     OUT,
+    ROOT,  # the path-first outputs' inputs and outputs (PATH_FIRST) ...
+    DRAFT_START,
+    SRC,
+    DST,
+    ORDER,
+    POSITIONS,  # ... (see _path_first_row)
     stride_tok,
     stride_par,
     stride_tgt,
@@ -59,6 +102,8 @@ def _walk_kernel(
     DP: tl.constexpr,
     WRITE_OUT: tl.constexpr,
     GATHER: tl.constexpr,
+    PATH_FIRST: tl.constexpr,
+    RESTORE: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, NP)
@@ -100,6 +145,20 @@ def _walk_kernel(
         row = OUT + r * stride_out
         tl.store(row + steps - 1, path_tok, mask=keep)
         tl.store(row + accepted, bonus)
+    if PATH_FIRST:
+        _path_first_row(
+            path,
+            steps,
+            idx,
+            n,
+            tl.load(ROOT + r),
+            tl.load(DRAFT_START + r),
+            SRC,
+            DST,
+            ORDER,
+            POSITIONS,
+            RESTORE,
+        )
 
 
 def aligned_planes(
@@ -115,6 +174,27 @@ def aligned_planes(
     plane = -(-numel // per_16_bytes) * per_16_bytes
     flat = torch.empty(num_planes, plane, dtype=dtype, device=device)
     return flat[:, :numel].view(num_planes, *shape)
+
+
+class PathFirstMoves(NamedTuple):
+    """Where a launch that knows the accepted paths puts each request's path
+    first (:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_moves`):
+    the node at batch token ``src[i]`` belongs at ``dst[i]`` (one entry per
+    non-root node, request ``r``'s from ``draft_start[r]``), ``order`` (the
+    identity on entry) receives ``order[dst[i]] = src[i]``, and
+    ``positions``, if given, gets the nodes' linear positions back from
+    their roots' (``root[r]``: batch token of request ``r``'s root)."""
+
+    root: torch.Tensor
+    draft_start: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+    order: torch.Tensor
+    positions: torch.Tensor | None
+
+    def kernel_args(self) -> tuple[torch.Tensor, ...]:
+        positions = self.positions if self.positions is not None else self.order
+        return (self.root, self.draft_start, self.src, self.dst, self.order, positions)
 
 
 def _nodes_tile(num_nodes: int) -> int:
@@ -134,6 +214,7 @@ def walk_trees_triton(
     out: torch.Tensor | None = None,
     token_rows: torch.Tensor | None = None,
     target_rows: torch.Tensor | None = None,
+    path_first: PathFirstMoves | None = None,
 ) -> WalkResult:
     """:func:`~vllm_ddtree.v1.spec_decode.tree.walk_trees` in one launch.
 
@@ -147,6 +228,9 @@ def walk_trees_triton(
     ``node_tokens[token_rows[r, j]]`` and ``target_tokens[target_rows[r,
     j]]`` for node ``j`` of request ``r`` (the root's token is not read):
     no gathered copies.
+
+    With ``path_first`` the same launch also writes the path-first moves
+    of the walked paths there (see :class:`PathFirstMoves`).
     """
     gather = token_rows is not None
     num_reqs, n = (token_rows if gather else node_tokens).shape
@@ -168,6 +252,7 @@ def walk_trees_triton(
             num_accepted,
             bonus,
             out if out is not None else path,
+            *(path_first.kernel_args() if path_first else (path,) * 6),
             tok_map.stride(0),
             parents.stride(0),
             tgt_map.stride(0),
@@ -178,6 +263,8 @@ def walk_trees_triton(
             DP=_depth_tile(max_depth),
             WRITE_OUT=out is not None,
             GATHER=gather,
+            PATH_FIRST=path_first is not None,
+            RESTORE=path_first is not None and path_first.positions is not None,
         )
     return WalkResult(path=path, num_accepted=num_accepted, bonus=bonus)
 
@@ -581,17 +668,18 @@ def compile_variants(
         # As the samplers call it: int32 draft tokens and int64 choices read
         # through the layout's row maps.
         rows = torch.zeros(1, width, **as_long)
-        walk = walk_trees_triton(
+        walk = functools.partial(
+            walk_trees_triton,
             torch.zeros(width, dtype=torch.int32, device=device),
             torch.arange(-1, width - 1, **as_long)[None],
             torch.full((1,), width, **as_long),
             torch.zeros(width, **as_long),
             depth,
             torch.zeros(1, width + 1, dtype=out_dtype, device=device),
-            token_rows=rows,
-            target_rows=rows,
+            rows,
+            rows,
         )
-        warm_up_verify_step(walk.path, width, budget, v2_runner)
+        warm_up_verify_step(walk, width, budget, v2_runner, device)
     widths = {_nodes_tile(w): w for w in range(1, budget + 2)}
     for width in widths.values():
         parents = torch.arange(-1, width - 1, **as_long)[None]

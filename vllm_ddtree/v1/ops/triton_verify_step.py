@@ -14,16 +14,21 @@ is one program per request row, the row's whole tree in registers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from vllm_ddtree.v1.ops.triton_tree_cores import (
+    PathFirstMoves,
     _depth_tile,
     _nodes_tile,
+    _path_first_row,
     aligned_planes,
 )
+from vllm_ddtree.v1.spec_decode.tree import WalkResult
 from vllm_ddtree.v1.worker.host_staging import HostStaging
 from vllm_ddtree.v1.worker.verify_plan import StagedLayout, TreeRows, stage_layout
 
@@ -135,27 +140,38 @@ def _path_first_kernel(
     RESTORE: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, NP)
     steps = tl.arange(0, DP)
-    n = tl.load(NUM_NODES + r)
-    root = tl.load(ROOT + r)
     path = tl.load(PATH + r * stride_path + steps, mask=steps <= max_depth, other=-1)
-    on_step = (path[:, None] == j[None, :]) & (path[:, None] >= 0)
-    on_path = tl.sum(on_step.to(tl.int32), axis=0) > 0
-    path_slot = tl.sum(tl.where(on_step, steps[:, None], 0), axis=0)
-    path_len = tl.sum((path >= 0).to(tl.int32), axis=0)
-    # Off-path nodes follow the path in node order.
-    off_path = (j < n) & ~on_path
-    rank = tl.cumsum(off_path.to(tl.int32), axis=0) - 1
-    slot = tl.where(on_path, path_slot, path_len + rank).to(tl.int64)
-    node = (j > 0) & (j < n)
-    k = tl.load(DRAFT_START + r) + j - 1
-    tl.store(SRC + k, root + j, mask=node)
-    tl.store(DST + k, root + slot, mask=node)
-    tl.store(ORDER + root + slot, root + j, mask=node)
-    if RESTORE:
-        root_pos = tl.load(POSITIONS + root)
-        tl.store(POSITIONS + root + j, root_pos + j, mask=node)
+    _path_first_row(
+        path,
+        steps,
+        tl.arange(0, NP),
+        tl.load(NUM_NODES + r),
+        tl.load(ROOT + r),
+        tl.load(DRAFT_START + r),
+        SRC,
+        DST,
+        ORDER,
+        POSITIONS,
+        RESTORE,
+    )
+
+
+def path_first_targets(
+    layout: StagedLayout, num_tokens: int, positions: torch.Tensor | None = None
+) -> PathFirstMoves:
+    """Fresh outputs for the path-first moves of ``layout``'s batch
+    (``num_tokens``: at least its tokens)."""
+    device = layout.num_nodes.device
+    src = torch.empty(layout.node_tokens.shape[0], dtype=torch.long, device=device)
+    return PathFirstMoves(
+        root=layout.root_index,
+        draft_start=layout.draft_start,
+        src=src,
+        dst=torch.empty_like(src),
+        order=torch.arange(num_tokens, device=device),
+        positions=positions,
+    )
 
 
 def path_first_moves_triton(
@@ -165,40 +181,39 @@ def path_first_moves_triton(
     positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_moves` in one
-    launch (after the order's ``arange``)."""
+    launch (after the order's ``arange``); the V2 runner has the walk's
+    launch write them instead (:func:`walk_trees_triton`'s ``path_first``)."""
     num_reqs, depth_slots = path.shape
-    order = torch.arange(num_tokens, device=path.device)
-    src = torch.empty(layout.node_tokens.shape[0], dtype=torch.long, device=path.device)
-    dst = torch.empty_like(src)
+    moves = path_first_targets(layout, num_tokens, positions)
     if num_reqs:
         _path_first_kernel[(num_reqs,)](
             path,
             layout.num_nodes,
-            layout.root_index,
-            layout.draft_start,
-            src,
-            dst,
-            order,
-            positions if positions is not None else order,
+            *moves.kernel_args(),
             path.stride(0),
             depth_slots - 1,
             NP=_nodes_tile(layout.width),
             DP=_depth_tile(depth_slots - 1),
             RESTORE=positions is not None,
         )
-    return src, dst, order
+    return moves.src, moves.dst, moves.order
 
 
 def warm_up_verify_step(
-    path: torch.Tensor, width: int, budget: int, v2_runner: bool
+    walk: Callable[[PathFirstMoves | None], WalkResult],
+    width: int,
+    budget: int,
+    v2_runner: bool,
+    device: torch.device,
 ) -> None:
-    """Compile both kernels for one row of ``width`` nodes and the walk's
-    ``path`` (``[1, depth + 1]``) on dummies with the dtypes and pointer
-    alignments of the runner's calls (see ``compile_variants``): the V2
-    runner gathers trees by request-state slot (int32 slots, parents and
-    depths side by side) and has the moves put positions back; the V1
-    runner's trees are the last build's, by batch row (int64 rows)."""
-    device = path.device
+    """Compile the lay-out and the path-first moves for one row of ``width``
+    nodes on dummies with the dtypes and pointer alignments of the runner's
+    calls (see ``compile_variants``; ``walk``: its dummy walk, optionally
+    writing the moves). The V2 runner gathers trees by request-state slot
+    (int32 slots, parents and depths side by side) and has the walk's
+    launch write the moves and put the positions back; the V1 runner's
+    trees are the last build's, by batch row (int64 rows), and its moves
+    are a launch of their own."""
     layout = stage_layout(HostStaging(device), np.array([width]), np.array([width]))
     if v2_runner:
         shapes = torch.zeros(1, 2, budget, dtype=torch.long, device=device)
@@ -216,4 +231,7 @@ def warm_up_verify_step(
         positions,
         torch.full((1,), width, dtype=torch.int32, device=device),
     )
-    path_first_moves_triton(layout, path, width, positions if v2_runner else None)
+    if v2_runner:
+        walk(path_first_targets(layout, width, positions))
+    else:
+        path_first_moves_triton(layout, walk(None).path, width)

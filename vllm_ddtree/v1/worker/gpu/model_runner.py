@@ -18,10 +18,11 @@ parts are in ``v1/worker/verify_plan.py``):
    in V2's persistent position buffer (which full CUDA graphs read), and the
    trees' parents are gathered on the device by request-state slot.
 4. Forward; :class:`TreeWalkSampler` draws the target's token at every node
-   with V2's sampler and walks the trees.
+   with V2's sampler and walks the trees; the walk's launch also puts the
+   linear positions back and says where each node goes with its path first.
 5. ``sample``: the accepted path's KV is copied into consecutive slots of
-   every target attention layer, the linear positions are put back, and the
-   speculator is told to read the accepted path's hidden states first.
+   every target attention layer, and the speculator is told to read the
+   accepted path's hidden states first.
 6. V2 advances each request by its path and runs the speculator, which
    drafts ``max_depth`` positions and builds the next trees.
 """
@@ -36,7 +37,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import publish_tree
-from vllm_ddtree.v1.spec_decode.tree import WalkResult
+from vllm_ddtree.v1.ops.triton_tree_cores import PathFirstMoves
 from vllm_ddtree.v1.worker.ddtree_model_runner import (
     DDTreeModelRunnerMixin,
     patched_attribute,
@@ -57,7 +58,6 @@ from vllm_ddtree.v1.worker.verify_plan import (
     compact_kv,
     kv_commit_plan,
     lay_out_trees,
-    path_first_moves,
     tree_attention_info,
 )
 
@@ -120,7 +120,9 @@ class DDTreeV2ModelRunner(GPUModelRunner):
             self.input_buffers.positions,
             input_batch.seq_lens,
         )
-        self.rejection_sampler.step = TreeWalkInput(parents, layout.rows, max_depth)
+        self.rejection_sampler.step = TreeWalkInput(
+            parents, layout, max_depth, self.input_buffers.positions
+        )
         ctx_len = (
             input_batch.seq_lens_cpu_upper_bound[:num_reqs].numpy().astype(np.int64)
             - num_nodes
@@ -132,28 +134,26 @@ class DDTreeV2ModelRunner(GPUModelRunner):
 
     def sample(self, hidden_states, input_batch, grammar_output):
         result = super().sample(hidden_states, input_batch, grammar_output)
-        plan, self._plan = self._plan, None
-        walk, self.rejection_sampler.last_walk = self.rejection_sampler.last_walk, None
-        if plan is not None and walk is not None:
-            self._commit_path(plan, walk, input_batch.num_tokens_after_padding)
+        self._plan = None
+        sampler = self.rejection_sampler
+        walked, sampler.last_walk = sampler.last_walk, None
+        if walked is not None:
+            self._commit_path(walked.moves)
         return result
 
-    def _commit_path(self, plan: VerifyPlan, walk: WalkResult, num_tokens: int) -> None:
-        """Move the accepted paths' KV to consecutive slots, put the linear
-        positions back and hand the speculator the path-first order of the
-        batch's ``num_tokens`` (padded) tokens. Runs before the speculator:
-        it writes its own query slots into the same slot-mapping buffer the
-        compaction reads."""
-        src_tokens, dst_tokens, order = path_first_moves(
-            plan.layout, walk.path, num_tokens, self.input_buffers.positions
-        )
+    def _commit_path(self, moves: PathFirstMoves) -> None:
+        """Move the accepted paths' KV to consecutive slots and hand the
+        speculator the path-first order of the batch's (padded) tokens
+        (``moves``: written by the walk's launch, which also put the linear
+        positions back). Runs before the speculator: it writes its own query
+        slots into the same slot-mapping buffer the compaction reads."""
         compact_kv(
             self._kv_commit_plan(),
             lambda gid: self.block_tables.slot_mappings[gid],
-            src_tokens,
-            dst_tokens,
+            moves.src,
+            moves.dst,
         )
-        self.speculator.set_accepted_order(order)
+        self.speculator.set_accepted_order(moves.order)
 
     def _kv_commit_plan(self) -> KVCommitPlan:
         if self._kv_commits is None:

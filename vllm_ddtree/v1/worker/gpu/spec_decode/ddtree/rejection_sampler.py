@@ -28,9 +28,11 @@ from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
-from vllm_ddtree.v1.ops.triton_tree_cores import walk_trees_triton
+from vllm_ddtree.v1.ops.triton_tree_cores import PathFirstMoves, walk_trees_triton
+from vllm_ddtree.v1.ops.triton_verify_step import path_first_targets
 from vllm_ddtree.v1.sample.tree_rejection_sampler import VerifyRows
 from vllm_ddtree.v1.spec_decode.tree import WalkResult, path_first_permutation
+from vllm_ddtree.v1.worker.verify_plan import StagedLayout
 
 # The dtype of V2's sampler-output rows, which the walk writes.
 SAMPLED_TOKEN_DTYPE = torch.int64
@@ -40,11 +42,22 @@ SAMPLED_TOKEN_DTYPE = torch.int64
 class TreeWalkInput:
     """The trees of the current verify batch, published by the runner:
     ``parents [num_reqs, W]`` (root column and padding ``-1``), the batch
-    layout and the bound on every node's depth."""
+    layout, the bound on every node's depth, and the position buffer whose
+    depth positions the walk's launch turns back into linear ones."""
 
     parents: torch.Tensor
-    rows: VerifyRows
+    layout: StagedLayout
     max_depth: int
+    positions: torch.Tensor
+
+
+@dataclass
+class WalkedTrees:
+    """A verify step's walk and, written by the same launch, the moves that
+    put each accepted path first (the KV commit's and the drafter's)."""
+
+    walk: WalkResult
+    moves: PathFirstMoves
 
 
 class TreeWalkSampler(RejectionSampler):
@@ -58,7 +71,7 @@ class TreeWalkSampler(RejectionSampler):
         # costs the step's device-to-host copy and V2's host-side lists).
         self.num_columns = min(self.num_speculative_steps, max_depth) + 1
         self.step: TreeWalkInput | None = None
-        self.last_walk: WalkResult | None = None
+        self.last_walk: WalkedTrees | None = None
 
     def __call__(
         self,
@@ -81,13 +94,16 @@ class TreeWalkSampler(RejectionSampler):
             input_batch.expanded_local_pos,
             return_logprobs=return_logprobs,
         )
-        layout = step.rows
+        layout = step.layout.rows
         width = layout.logit_rows.shape[1]
         sampled = torch.full(
             (input_batch.num_reqs, self.num_columns),
             -1,
             dtype=SAMPLED_TOKEN_DTYPE,
             device=logits.device,
+        )
+        moves = path_first_targets(
+            step.layout, input_batch.num_tokens_after_padding, step.positions
         )
         # Every logit row's token and choice, read at each node's row.
         walk = walk_trees_triton(
@@ -99,8 +115,9 @@ class TreeWalkSampler(RejectionSampler):
             sampled,
             token_rows=layout.logit_rows,
             target_rows=layout.logit_rows,
+            path_first=moves,
         )
-        self.last_walk = walk
+        self.last_walk = WalkedTrees(walk, moves)
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             (walk.num_accepted + 1).to(torch.int32),
             input_batch.seq_lens,
