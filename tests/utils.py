@@ -437,6 +437,7 @@ def record_uniform_fills(monkeypatch) -> dict[str, Any]:
 # The modules that define this package's Triton kernels.
 _KERNEL_MODULES = (
     "vllm_ddtree.v1.attention.ops.triton_tree_attention",
+    "vllm_ddtree.v1.ops.triton_draft_scores",
     "vllm_ddtree.v1.ops.triton_gdn_commit",
     "vllm_ddtree.v1.ops.triton_kv_commit",
     "vllm_ddtree.v1.ops.triton_tree_cores",

@@ -92,3 +92,25 @@ def test_verify_step_kernels_on_gpu(name):
     assert rec["parents_equal"] and rec["positions_equal"], rec
     assert all(rec["rows_equal"].values()), rec
     assert rec["moves_equal"] and rec["order_equal"] and rec["restored"], rec
+
+
+@pytest.mark.parametrize(
+    ("rows", "vocab", "dtype"),
+    [
+        (15, 151936, torch.bfloat16),
+        (960, 151936, torch.bfloat16),
+        (15, 8192, torch.float16),
+    ],
+)
+def test_draft_topk_on_gpu(rows, vocab, dtype):
+    """The drafter's top-k on a GPU (top logits minus a one-pass
+    logsumexp) equals torch's log-softmax top-k at real vocabulary sizes."""
+    from vllm_ddtree.v1.spec_decode.ddtree_proposer import draft_topk
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logits = (4 * torch.randn(rows, vocab, device="cuda", generator=g)).to(dtype)
+    want_values, _ = logits.float().log_softmax(dim=-1).topk(64, dim=-1)
+    values, tokens = draft_topk(logits, 64)
+    picked = logits.float().log_softmax(dim=-1).gather(1, tokens)
+    torch.testing.assert_close(values, want_values, rtol=0, atol=1e-4)
+    torch.testing.assert_close(values, picked, rtol=0, atol=1e-4)

@@ -154,8 +154,13 @@ def draft_topk(logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.T
     position. The tree uses the drafter's distribution at temperature 1
     whatever the request's sampling temperature (verification is lossless,
     so the drafter only has to rank well)."""
-    logprobs = logits.float().log_softmax(dim=-1)
-    return logprobs.topk(min(budget, logprobs.shape[-1]), dim=-1)
+    k = min(budget, logits.shape[-1])
+    if logits.is_cuda and logits.stride(-1) == 1:
+        # Imported here: only GPU processes need Triton.
+        from vllm_ddtree.v1.ops.triton_draft_scores import draft_topk_triton
+
+        return draft_topk_triton(logits, k)
+    return logits.float().log_softmax(dim=-1).topk(k, dim=-1)
 
 
 def build_draft_trees(

@@ -67,7 +67,7 @@ from vllm_ddtree.v1.sample.tree_rejection_sampler import (
     TreeVerifyInput,
 )
 from vllm_ddtree.v1.spec_decode.adaptive_budget import LatencyModel, choose_budgets
-from vllm_ddtree.v1.spec_decode.ddtree_proposer import DDTreeProposer
+from vllm_ddtree.v1.spec_decode.ddtree_proposer import DDTreeProposer, draft_topk
 from vllm_ddtree.v1.spec_decode.tree import (
     DraftTrees,
     gather_tree_layout,
@@ -608,7 +608,8 @@ def warm_up_tree_kernels(
     """Compile the Triton kernels of a DDTree step at start-up (the V1 and V2
     GPU runners): the tree cores (the walk writing rows of the runner's
     ``sampled_dtype``; the lay-out and the path-first moves as the V1 or the
-    V2 runner, ``v2_runner``, calls them), the tree attention once
+    V2 runner, ``v2_runner``, calls them), the drafter's top-k normaliser,
+    the tree attention once
     per distinct layer geometry (``block_table_for(gid)``: a one-request
     block table of KV-cache group ``gid``), the KV commit and, for hybrid
     targets, the tree GDN ops and the recurrent-state commit. Otherwise each
@@ -631,6 +632,12 @@ def warm_up_tree_kernels(
         cfg.force_spine,
         sampled_dtype,
         v2_runner,
+    )
+    # The drafter's top-k of its logits (the target's dtype and vocabulary).
+    vocab = runner.model_config.get_vocab_size()
+    draft_topk(
+        torch.zeros(1, vocab, dtype=runner.model_config.dtype, device=device),
+        cfg.budget,
     )
     forward_context = runner.compilation_config.static_forward_context
     done = set()
