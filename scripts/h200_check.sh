@@ -43,7 +43,8 @@
 #   bash scripts/h200_check.sh profile-pair  # the trained pair's steps profiled, all on the V2
 #                                          # runner, async: DDTree B=64 and DFlash (PROFILE_METHODS,
 #                                          # PROFILE_BATCH, PROFILE_BUDGET: DDTree's B,
-#                                          # default 64; PROFILE_CAPTURE: vLLM's largest
+#                                          # default 64; PROFILE_TAG names the run's
+#                                          # logs and results; PROFILE_CAPTURE: vLLM's largest
 #                                          # CUDA graph, for batches of more than 512
 #                                          # tokens; PROFILE_TEMPERATURE); trains a
 #                                          # 3-minute pair first if
@@ -160,7 +161,7 @@ profile_8b() {  # DDTree B=64, then stock DFlash on the same (V1) runner, profil
 
 profile_pair() {  # the pair's DDTree (V2 runner) and DFlash steps, async, profiled
   [ -f /tmp/pair-h200/target/config.json ] || train_pair "${TRAIN_MINUTES:-3}" 250
-  local method
+  local method tag=${PROFILE_TAG:+-$PROFILE_TAG}
   for method in ${PROFILE_METHODS:-ddtree dflash}; do
     # A call has 600 s: a profile that cannot finish is left for the next.
     if ((SECONDS + 200 > 590)); then
@@ -168,12 +169,12 @@ profile_pair() {  # the pair's DDTree (V2 runner) and DFlash steps, async, profi
         tee -a "$out/summary.txt"
       continue
     fi
-    step "profile-pair-$method" 200 python3 benchmarks/profile_ddtree_step.py \
+    step "profile-pair-$method$tag" 200 python3 benchmarks/profile_ddtree_step.py \
       --pair /tmp/pair-h200 --method "$method" --runner v2 --budget "${PROFILE_BUDGET:-64}" \
       --batch "${PROFILE_BATCH:-1}" --prompt-len 64 --max-tokens 128 --async-scheduling \
       --temperature "${PROFILE_TEMPERATURE:-0}" \
       ${PROFILE_CAPTURE:+--max-cudagraph-capture-size "$PROFILE_CAPTURE"} \
-      --out "/tmp/prof-pair/$method"
+      --out "/tmp/prof-pair/$method$tag"
   done
   tar czf "$out/profile-pair.tgz" -C /tmp prof-pair
 }
