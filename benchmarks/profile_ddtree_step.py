@@ -16,8 +16,9 @@ times a decode of ``--max-tokens`` tokens and examines more decodes:
   callers of every host-device sync (``.cpu()``, ``.item()``, ...);
 * ``kernels.txt``: the torch profiler's per-op table sorted by device time,
   then by host time (launch counts show per-layer / per-depth loops);
-* ``summary.json``: step time, and the device's busy time per step from
-  that profile: the difference is the GPU waiting for the host.
+* ``summary.json``: step time, the garbage collector's pauses in it, and
+  the device's busy time per step from that profile: the difference is
+  the GPU waiting for the host.
 
 Dummy weights (``--load-format dummy``) accept nothing, so every step is a
 full-budget DDTree step: the measure of its fixed cost. ``--pair DIR`` runs
@@ -39,6 +40,7 @@ import argparse
 import cProfile
 import faulthandler
 import functools
+import gc
 import io
 import json
 import os
@@ -193,6 +195,30 @@ def time_phases(llm: Any, run: Any, steps: int) -> dict[str, dict[str, float]]:
     }
 
 
+def gc_pauses(run: Any) -> dict[str, float]:
+    """Python's garbage-collection pauses during ``run()``: collections and
+    milliseconds by generation. A step that allocates many short-lived
+    objects triggers collections, and a full (generation 2) one walks every
+    tracked object of the process, the whole in-process engine's."""
+    started: list[float] = []
+    counts: dict[str, float] = defaultdict(float)
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            gen = info["generation"]
+            counts[f"gen{gen}_ms"] += 1e3 * (time.perf_counter() - started.pop())
+            counts[f"gen{gen}_collections"] += 1
+
+    gc.callbacks.append(on_gc)
+    try:
+        run()
+    finally:
+        gc.callbacks.remove(on_gc)
+    return dict(counts)
+
+
 def count_steps(llm: Any, run: Any) -> int:
     """Engine steps (the scheduler's calls) during ``run()``."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
@@ -336,7 +362,8 @@ def main() -> None:
     if on_gpu:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    steps = count_steps(llm, decode)
+    pauses: dict[str, float] = {}
+    steps = count_steps(llm, lambda: pauses.update(gc_pauses(decode)))
     seconds = time.perf_counter() - start
     summary = {
         "method": args.method,
@@ -349,6 +376,9 @@ def main() -> None:
         "tokens_per_step": args.batch * args.max_tokens / steps,
         "seconds": seconds,
         "ms_per_step": 1e3 * seconds / steps,
+        "gc_ms_per_step": sum(v for k, v in pauses.items() if k.endswith("_ms"))
+        / steps,
+        "gc": pauses,
     }
     print(json.dumps(summary), flush=True)
 
