@@ -3,7 +3,7 @@
 
 The fast path (one row gather / scatter per layer, NHD layout), the
 generic element-index path (HND layout) and the all-layers Triton commit
-(two launches for every layer of a group; run here in Triton's interpreter)
+(one launch for every layer of a group; run here in Triton's interpreter)
 must all move exactly the keys and values of the source slots, including when
 sources and destinations overlap and cross block boundaries. Runs on CPU
 tensors laid out like the GPU cache.
@@ -106,10 +106,11 @@ def _worker() -> None:
             ]
             before = [_slots_view(c) for c in caches]
             commit = SlotRowsCommit.for_rows([slot_rows(c) for c in caches])
-            # Batch tokens 0..3 have the SRC slots, tokens 4..7 the DST ones.
-            slot_mapping = torch.tensor(SRC + DST)
-            tokens = torch.arange(2 * len(SRC))
-            commit(slot_mapping, tokens[: len(SRC)], tokens[len(SRC) :])
+            # The tree's tokens on consecutive slots from its root's, and the
+            # accepted path by node index.
+            slot_mapping = torch.arange(DST[0], SRC[-1] + 1)
+            path = torch.tensor([[s - SRC[0] for s in SRC]])
+            commit(slot_mapping, torch.zeros(1, dtype=torch.long), path)
             equal = []
             for cache, old in zip(caches, before, strict=True):
                 expected = old.clone()

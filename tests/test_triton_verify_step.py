@@ -1,16 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The runner's one-launch tree lay-out and path-first moves equal their
-torch forms (CPU, Triton's interpreter).
+"""The runner's one-launch tree lay-out, path-first moves and KV commit
+equal their torch forms (CPU, Triton's interpreter).
 
 Like ``test_triton_tree_cores.py``, the kernels run under
 ``TRITON_INTERPRET=1`` in one subprocess (this file with ``--worker``), which
 prints one JSON line per case. Batches mix full trees, best-first prefixes,
 chains (rows whose drafts were not built as trees), prefill rows and
-CUDA-graph padding after the batch; the oracle is
+CUDA-graph padding after the batch; the oracles are
 :func:`~vllm_ddtree.v1.worker.verify_plan.lay_out_trees_torch` and
-:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_moves_torch`, tested
-against hand-made layouts in ``test_v2_runner_plan.py``. The GPU test suite
-runs the same comparison on the device (``tests/gpu``).
+:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_moves_torch` (tested
+against hand-made layouts in ``test_v2_runner_plan.py``) and, for the
+commit, its definition. The GPU test suite runs the same comparison on the
+device (``tests/gpu``).
 """
 
 from __future__ import annotations
@@ -150,13 +151,55 @@ def compare(name: str, device: str = "cpu") -> dict:
     ref = path_first_moves_torch(layout, path, num_tokens, ref_positions)
     got = path_first_moves_triton(layout, path, num_tokens, got_positions)
     res.update(
-        moves_equal=torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]),
-        order_equal=torch.equal(got[2], ref[2]),
+        _commit_results(layout, path, num_tokens, g),
+        order_equal=torch.equal(got, ref),
         restored=torch.equal(got_positions, positions)
         and torch.equal(ref_positions, positions),
         max_accepted=int(walk.num_accepted.max()),
     )
     return res
+
+
+def _commit_results(layout, path, num_tokens: int, g) -> dict:
+    """The all-layers KV commit kernel and the layer-by-layer torch moves
+    (:func:`~vllm_ddtree.v1.worker.verify_plan.path_moves`), each against
+    the commit's definition: the accepted node at depth ``d`` of request
+    ``r`` lands in the slot of batch token ``root + d``, and no other slot
+    changes. Two layers of rows 24 wide (not a power of two), batch tokens
+    on shuffled slots."""
+    from vllm_ddtree.v1.ops.triton_kv_commit import SlotRowsCommit
+    from vllm_ddtree.v1.worker.verify_plan import path_moves
+
+    device = path.device
+    num_slots = num_tokens + 7
+    slots = torch.randperm(num_slots, generator=g)[:num_tokens]
+    layers = [torch.randn(num_slots, 24, generator=g) for _ in range(2)]
+    expected = [rows.clone() for rows in layers]
+    roots = layout.root_index.cpu().tolist()
+    for r, row in enumerate(path.cpu().tolist()):
+        for d, node in enumerate(row[1:], start=1):
+            if node < 0:
+                break
+            for want, rows in zip(expected, layers, strict=True):
+                want[slots[roots[r] + d]] = rows[slots[roots[r] + node]]
+    kernel_rows = [rows.clone().to(device) for rows in layers]
+    commit = SlotRowsCommit.for_rows(kernel_rows)
+    commit(slots.to(device), layout.root_index, path)
+    torch_rows = [rows.clone() for rows in layers]
+    src, dst = path_moves(layout.root_index.cpu(), path.cpu())
+    for rows in torch_rows:
+        rows[slots[dst]] = rows[slots[src]]
+    return {
+        "commit_kernel_equal": all(
+            torch.equal(got.cpu(), want)
+            for got, want in zip(kernel_rows, expected, strict=True)
+        ),
+        "commit_torch_equal": all(
+            torch.equal(got, want)
+            for got, want in zip(torch_rows, expected, strict=True)
+        ),
+        "commit_moved": not torch.equal(expected[0], layers[0]),
+    }
 
 
 def _worker() -> None:
@@ -176,9 +219,17 @@ def test_verify_step_kernels_interpreted(interp_results, name):
     rec = interpreted_case(interp_results, name)
     assert rec["parents_equal"] and rec["positions_equal"], rec
     assert all(rec["rows_equal"].values()) and rec["rows_aligned"], rec
-    assert rec["moves_equal"] and rec["order_equal"] and rec["restored"], rec
+    assert rec["order_equal"] and rec["restored"], rec
+    assert rec["commit_kernel_equal"] and rec["commit_torch_equal"], rec
     # The cases move nodes: deep trees and walks that accept several nodes.
     assert rec["depth_moved"] and rec["max_accepted"] >= 2, rec
+
+
+def test_commit_cases_move_kv(interp_results):
+    # Walks along the spine leave the KV in place (nothing to move); the
+    # wide trees' walks take side branches.
+    moved = [interpreted_case(interp_results, n)["commit_moved"] for n in CASES]
+    assert sum(moved) >= 2, moved
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

@@ -18,8 +18,11 @@ import torch
 
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.v1.ops.triton_tree_cores import PathFirstMoves
-from vllm_ddtree.v1.spec_decode.tree import DraftTrees
+from vllm_ddtree.v1.spec_decode.tree import DraftTrees, WalkResult
 from vllm_ddtree.v1.worker.gpu.model_runner import DDTreeV2ModelRunner
+from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler import (
+    WalkedTrees,
+)
 from vllm_ddtree.v1.worker.verify_plan import LayoutStager, path_first_moves
 
 # Request-state slot 2: root + nodes 1..4 with parents 0, 0, 1, 3 (depths 1,
@@ -59,10 +62,15 @@ def _runner() -> tuple[DDTreeV2ModelRunner, SimpleNamespace]:
     runner.input_buffers = SimpleNamespace(positions=torch.zeros(32, dtype=torch.long))
     # Token slots 100 + batch token index, in the one KV-cache group.
     runner.block_tables = SimpleNamespace(slot_mappings=100 + torch.arange(32)[None])
-    moves = []
-    runner._kv_commits = {
-        0: ([], lambda slots, src, dst: moves.append((slots[src], slots[dst])))
-    }
+    # One layer whose "KV" at each slot is the slot's own number, committed
+    # by the layer-by-layer path (no all-layers kernel on a CPU).
+    cache = torch.arange(200)
+
+    def copy_kv_slots(kv_cache, src, dst):
+        kv_cache[dst] = kv_cache[src]
+
+    impl = SimpleNamespace(copy_kv_slots=copy_kv_slots)
+    runner._kv_commits = {0: ([(impl, cache)], None)}
 
     query_lens = NUM_DRAFTS + 1
     query_lens[1] = PREFILL_LEN
@@ -81,7 +89,7 @@ def _runner() -> tuple[DDTreeV2ModelRunner, SimpleNamespace]:
         seq_lens=seq_lens.to(torch.int32),
         seq_lens_cpu_upper_bound=seq_lens,
     )
-    return runner, SimpleNamespace(batch=batch, moves=moves, linear=linear)
+    return runner, SimpleNamespace(batch=batch, cache=cache, linear=linear)
 
 
 def test_plan_moves_nodes_to_depth_positions_and_describes_the_trees():
@@ -116,22 +124,25 @@ def test_commit_moves_the_accepted_path_and_restores_positions():
     path[:, 0] = 0
     path[0, 1] = 2
     path[2, 1:3] = torch.tensor([1, 2])
-    # The walk's launch writes these on a GPU (the moves' own test:
+    walk = WalkResult(
+        path=path,
+        num_accepted=torch.tensor([1, 0, 2]),
+        bonus=torch.zeros(3, dtype=torch.long),
+    )
+    # The walk's launch writes the order on a GPU (the moves' own test:
     # test_v2_tree_walk.py); two rows of CUDA-graph padding after the batch.
     positions = runner.input_buffers.positions
-    moves = path_first_moves(plan.layout, path, len(case.linear) + 2, positions)
-    layout = plan.layout
-    runner._commit_path(
-        PathFirstMoves(layout.root_index, layout.draft_start, *moves, positions)
-    )
+    order = path_first_moves(plan.layout, path, len(case.linear) + 2, positions)
+    moves = PathFirstMoves(plan.layout.root_index, order, positions)
+    runner._commit_path(WalkedTrees(walk, moves))
 
-    [(src, dst)] = case.moves
-    moved = dict(zip(dst.tolist(), src.tolist(), strict=True))
-    # Row 0: node 2 (slot 102) into node 1's slot (101); the rejected nodes
-    # 1, 3, 4 follow in node order.
-    assert [moved[s] for s in (101, 102, 103, 104)] == [102, 101, 103, 104]
-    # Row 2: the chain is already in order.
-    assert [moved[s] for s in (109, 110)] == [109, 110]
+    kv = case.cache.tolist()
+    # Row 0: node 2's KV (slot 102) in the slot after its root (101); the
+    # rejected nodes' slots are not committed.
+    assert kv[100:102] == [100, 102]
+    # Row 2: the chain is already in place; no other slot changed.
+    assert kv[108:111] == [108, 109, 110]
+    assert kv[:101] + kv[102:] == list(range(101)) + list(range(102, 200))
     positions = runner.input_buffers.positions[: len(case.linear)]
     assert positions.tolist() == case.linear.tolist()
     order = runner.speculator.order.tolist()

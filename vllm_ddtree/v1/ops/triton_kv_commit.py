@@ -1,15 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The accepted-path KV commit of every attention layer in two launches.
+"""The accepted-path KV commit of every attention layer in one launch.
 
-After the walk, each request's accepted nodes move to the cache slots right
-after its context: ``rows[dst[i]] = rows[src[i]]`` in every layer, the slots
-looked up in the step's slot mapping inside the kernel. Done per
+After the walk, each request's accepted node at depth ``d`` moves to the
+cache slot of its ``d``-th token (right after its root), in every layer, the
+slots looked up in the step's slot mapping inside the kernel. Done per
 layer, that is a gather and a scatter for each of the (e.g. 36) layers, every
 step. Here the layers' slot-row views (a slot's keys and values side by side,
 vLLM's FlashAttention NHD cache) are addressed through a table of base
-pointers: one launch gathers the source rows of all layers into a scratch
-buffer, a second scatters them to the destinations. Reading every source
-before writing any destination keeps overlapping moves correct.
+pointers and one program moves one request's path in one layer (one block of
+columns), depth by depth.
+
+Only the path moves: the rejected nodes' slots lie past the committed
+tokens, and the next step writes its own tokens' KV there before anything
+reads them. In place and in one pass because nodes are numbered best-first
+(a parent before its children): the depth-``d`` node is node ``path[d] >=
+d``, strictly increasing with ``d``. Moving depth by depth, ascending, the
+move at depth ``d`` reads slot ``path[d]``, which no earlier move wrote
+(they wrote slots below ``d``), and writes slot ``d``, which only earlier
+moves may have read.
 """
 
 from __future__ import annotations
@@ -19,32 +27,33 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _move_rows_kernel(
+@triton.jit(do_not_specialize=["stride_path", "max_depth"])
+def _commit_path_rows_kernel(
     LAYER_ROWS,  # [L] int64: base address of each layer's [slots, width] rows
+    ANY_ROWS,  # one layer's rows: their element type
     SLOT_MAPPING,  # [tokens]: each batch token's cache slot
-    SRC,  # [num_rows]: batch token whose row moves ...
-    DST,  # [num_rows]: ... to this token's slot
-    SCRATCH,  # [L, num_rows, width]
-    num_rows,
+    ROOT,  # [R]: batch token of each request's root
+    PATH,  # [R, max_depth + 1]: the walk's accepted nodes, -1 after them
+    stride_path,
+    max_depth,
     width,
     row_stride,
     BLOCK: tl.constexpr,
-    TO_SCRATCH: tl.constexpr,
 ):
-    i = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    src = tl.load(SLOT_MAPPING + tl.load(SRC + i)).to(tl.int64)
-    dst = tl.load(SLOT_MAPPING + tl.load(DST + i)).to(tl.int64)
-    # A row that stays is no other move's destination (the moves permute).
-    keep = (cols < width) & (src != dst)
-    rows = tl.load(LAYER_ROWS + layer).to(tl.pointer_type(SCRATCH.dtype.element_ty))
-    scratch = SCRATCH + (layer * num_rows + i) * width + cols
-    if TO_SCRATCH:
-        tl.store(scratch, tl.load(rows + src * row_stride + cols, mask=keep), mask=keep)
-    else:
-        tl.store(rows + dst * row_stride + cols, tl.load(scratch, mask=keep), mask=keep)
+    in_row = cols < width
+    rows = tl.load(LAYER_ROWS + layer).to(tl.pointer_type(ANY_ROWS.dtype.element_ty))
+    root = tl.load(ROOT + r)
+    for d in range(1, max_depth + 1):
+        node = tl.load(PATH + r * stride_path + d)
+        # Past the path (-1) or already in place: nothing moves.
+        if node > d:
+            src = tl.load(SLOT_MAPPING + root + node).to(tl.int64)
+            dst = tl.load(SLOT_MAPPING + root + d).to(tl.int64)
+            row = tl.load(rows + src * row_stride + cols, mask=in_row)
+            tl.store(rows + dst * row_stride + cols, row, mask=in_row)
 
 
 def address_table(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -56,7 +65,7 @@ def address_table(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 class SlotRowsCommit:
-    """``rows[dst] = rows[src]`` in the slot-row views of many layers.
+    """The accepted paths' commit in the slot-row views of many layers.
 
     Built once per KV-cache group (:meth:`for_rows`) from views that share
     shape, strides, dtype and device (the layers of one group do); it keeps
@@ -81,31 +90,25 @@ class SlotRowsCommit:
         self.block = min(triton.next_power_of_2(self.width), 4096)
 
     def __call__(
-        self, slot_mapping: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+        self, slot_mapping: torch.Tensor, roots: torch.Tensor, path: torch.Tensor
     ) -> None:
-        """Move the row of batch token ``src[i]``'s slot to ``dst[i]``'s
-        (``slot_mapping``: the step's slot of every batch token). The moves
-        must permute their slots, as a commit's do."""
-        num_rows = src.numel()
-        if num_rows == 0:
+        """Move each request's accepted node at depth ``d`` (``path[r, d]``,
+        the walk's) from its batch token's slot to the slot of batch token
+        ``roots[r] + d`` (``slot_mapping``: the step's slot of every batch
+        token)."""
+        num_reqs, depth_slots = path.shape
+        if num_reqs == 0:
             return
-        first = self.layer_rows[0]
-        scratch = torch.empty(
-            (len(self.layer_rows), num_rows, self.width),
-            dtype=first.dtype,
-            device=first.device,
+        grid = (num_reqs, len(self.layer_rows), triton.cdiv(self.width, self.block))
+        _commit_path_rows_kernel[grid](
+            self.table,
+            self.layer_rows[0],
+            slot_mapping,
+            roots,
+            path,
+            path.stride(0),
+            depth_slots - 1,
+            self.width,
+            self.row_stride,
+            BLOCK=self.block,
         )
-        grid = (num_rows, len(self.layer_rows), triton.cdiv(self.width, self.block))
-        for to_scratch in (True, False):
-            _move_rows_kernel[grid](
-                self.table,
-                slot_mapping,
-                src,
-                dst,
-                scratch,
-                num_rows,
-                self.width,
-                self.row_stride,
-                BLOCK=self.block,
-                TO_SCRATCH=to_scratch,
-            )

@@ -37,17 +37,14 @@ def _path_first_row(
     j,  # [NP]: 0, 1, ...
     n,  # the row's node count
     root,  # batch token of the row's root
-    draft_start,  # index of the row's first non-root node among all
-    SRC,
-    DST,
     ORDER,
     POSITIONS,
     RESTORE: tl.constexpr,
 ):
     """Put a row's accepted path first, its other nodes after it in node
-    order: node ``j`` (batch token ``root + j``) moves to ``root + slot``
-    (``SRC`` / ``DST`` at ``draft_start + j - 1``, ``ORDER[root + slot] =
-    root + j``); with ``RESTORE`` the nodes' linear positions come back."""
+    order: node ``j`` (batch token ``root + j``) goes to ``root + slot``
+    (``ORDER[root + slot] = root + j``); with ``RESTORE`` the nodes' linear
+    positions come back."""
     on_step = (path[:, None] == j[None, :]) & (path[:, None] >= 0)
     on_path = tl.sum(on_step.to(tl.int32), axis=0) > 0
     path_slot = tl.sum(tl.where(on_step, steps[:, None], 0), axis=0)
@@ -56,9 +53,6 @@ def _path_first_row(
     rank = tl.cumsum(off_path.to(tl.int32), axis=0) - 1
     slot = tl.where(on_path, path_slot, path_len + rank).to(tl.int64)
     node = (j > 0) & (j < n)
-    k = draft_start + j - 1
-    tl.store(SRC + k, root + j, mask=node)
-    tl.store(DST + k, root + slot, mask=node)
     tl.store(ORDER + root + slot, root + j, mask=node)
     if RESTORE:
         root_pos = tl.load(POSITIONS + root)
@@ -86,10 +80,7 @@ def _walk_kernel(
     NUM_ACCEPTED,
     BONUS,
     OUT,
-    ROOT,  # the path-first outputs' inputs and outputs (PATH_FIRST) ...
-    DRAFT_START,
-    SRC,
-    DST,
+    ROOT,  # the path-first order's inputs and outputs (PATH_FIRST) ...
     ORDER,
     POSITIONS,  # ... (see _path_first_row)
     stride_tok,
@@ -152,9 +143,6 @@ def _walk_kernel(
             idx,
             n,
             tl.load(ROOT + r),
-            tl.load(DRAFT_START + r),
-            SRC,
-            DST,
             ORDER,
             POSITIONS,
             RESTORE,
@@ -179,22 +167,18 @@ def aligned_planes(
 class PathFirstMoves(NamedTuple):
     """Where a launch that knows the accepted paths puts each request's path
     first (:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_moves`):
-    the node at batch token ``src[i]`` belongs at ``dst[i]`` (one entry per
-    non-root node, request ``r``'s from ``draft_start[r]``), ``order`` (the
-    identity on entry) receives ``order[dst[i]] = src[i]``, and
-    ``positions``, if given, gets the nodes' linear positions back from
-    their roots' (``root[r]``: batch token of request ``r``'s root)."""
+    ``order`` (the identity on entry) receives the batch token whose data
+    goes to each token, and ``positions``, if given, gets the nodes' linear
+    positions back from their roots' (``root[r]``: batch token of request
+    ``r``'s root)."""
 
     root: torch.Tensor
-    draft_start: torch.Tensor
-    src: torch.Tensor
-    dst: torch.Tensor
     order: torch.Tensor
     positions: torch.Tensor | None
 
     def kernel_args(self) -> tuple[torch.Tensor, ...]:
         positions = self.positions if self.positions is not None else self.order
-        return (self.root, self.draft_start, self.src, self.dst, self.order, positions)
+        return (self.root, self.order, positions)
 
 
 def _nodes_tile(num_nodes: int) -> int:
@@ -252,7 +236,7 @@ def walk_trees_triton(
             num_accepted,
             bonus,
             out if out is not None else path,
-            *(path_first.kernel_args() if path_first else (path,) * 6),
+            *(path_first.kernel_args() if path_first else (path,) * 3),
             tok_map.stride(0),
             parents.stride(0),
             tgt_map.stride(0),

@@ -128,10 +128,7 @@ def _path_first_kernel(
     PATH,  # [R, max_depth + 1]: the walk's accepted path, -1 after it
     NUM_NODES,  # [R]
     ROOT,  # [R]
-    DRAFT_START,  # [R]: index of the row's first non-root node among all
-    SRC,  # [num_drafts] out: batch token whose data moves ...
-    DST,  # [num_drafts] out: ... to this batch token
-    ORDER,  # [tokens] (identity in): ORDER[dst] = src out
+    ORDER,  # [tokens] (identity in): the token whose data goes to each, out
     POSITIONS,  # [tokens]: linear positions restored when RESTORE
     stride_path,
     max_depth,
@@ -148,9 +145,6 @@ def _path_first_kernel(
         tl.arange(0, NP),
         tl.load(NUM_NODES + r),
         tl.load(ROOT + r),
-        tl.load(DRAFT_START + r),
-        SRC,
-        DST,
         ORDER,
         POSITIONS,
         RESTORE,
@@ -160,18 +154,10 @@ def _path_first_kernel(
 def path_first_targets(
     layout: StagedLayout, num_tokens: int, positions: torch.Tensor | None = None
 ) -> PathFirstMoves:
-    """Fresh outputs for the path-first moves of ``layout``'s batch
+    """Fresh outputs for the path-first order of ``layout``'s batch
     (``num_tokens``: at least its tokens)."""
-    device = layout.num_nodes.device
-    src = torch.empty(layout.node_tokens.shape[0], dtype=torch.long, device=device)
-    return PathFirstMoves(
-        root=layout.root_index,
-        draft_start=layout.draft_start,
-        src=src,
-        dst=torch.empty_like(src),
-        order=torch.arange(num_tokens, device=device),
-        positions=positions,
-    )
+    order = torch.arange(num_tokens, device=layout.num_nodes.device)
+    return PathFirstMoves(layout.root_index, order, positions)
 
 
 def path_first_moves_triton(
@@ -179,7 +165,7 @@ def path_first_moves_triton(
     path: torch.Tensor,
     num_tokens: int,
     positions: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_moves` in one
     launch (after the order's ``arange``); the V2 runner has the walk's
     launch write them instead (:func:`walk_trees_triton`'s ``path_first``)."""
@@ -196,7 +182,7 @@ def path_first_moves_triton(
             DP=_depth_tile(depth_slots - 1),
             RESTORE=positions is not None,
         )
-    return moves.src, moves.dst, moves.order
+    return moves.order
 
 
 def warm_up_verify_step(

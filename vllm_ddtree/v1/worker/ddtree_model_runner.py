@@ -329,22 +329,23 @@ class DDTreeModelRunnerMixin:
         if plan is None or walk is None:
             self.drafter.set_accepted_order(None)
             return
-        src_tokens, dst_tokens, order = path_first_moves(
+        self._compact_kv(plan.layout.root_index, walk.path)
+        order = path_first_moves(
             plan.layout, walk.path, plan.linear_positions.shape[-1]
         )
-        self._compact_kv(src_tokens, dst_tokens)
         if plan.tree is not None and self.model_config.is_hybrid:
             self._commit_recurrent_state(plan.tree, walk)
         self.drafter.set_accepted_order(order, plan.linear_positions)
 
-    def _compact_kv(self, src_tokens: torch.Tensor, dst_tokens: torch.Tensor) -> None:
-        """Move the KV of node ``src_tokens[i]`` to the slot of token
-        ``dst_tokens[i]`` in every target attention layer."""
+    def _compact_kv(self, roots: torch.Tensor, path: torch.Tensor) -> None:
+        """Move every request's accepted path (batch tokens ``roots[r] +
+        path[r]``) to the tokens after its root in every target attention
+        layer."""
         compact_kv(
             self._kv_commit_plan(),
             lambda gid: self.input_batch.block_table[gid].slot_mapping.gpu,
-            src_tokens,
-            dst_tokens,
+            roots,
+            path,
         )
 
     def _kv_commit_plan(self) -> KVCommitPlan:
@@ -660,9 +661,11 @@ def warm_up_tree_kernels(
                 done.add(geometry)
                 impl.warm_up_tree_kernels(layer.kv_cache, block_table, 1 + cfg.budget)
     zero = torch.zeros(1, dtype=torch.int64, device=device)
+    # A path that accepted nothing: no move.
+    path = torch.zeros(1, 1 + cfg.max_depth, dtype=torch.int64, device=device)
     for _, commit in runner._kv_commit_plan().values():
         if commit is not None:
-            commit(zero, zero, zero)  # slot 0 (vLLM's null block) onto itself
+            commit(zero, zero, path)
     if runner.model_config.is_hybrid:
         warm_up_tree_gdn(
             [

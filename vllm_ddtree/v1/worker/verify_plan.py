@@ -10,9 +10,10 @@ reuses them while the layout repeats); :func:`lay_out_trees` adds every
 row's parents (gathered on the device from the last proposal) and moves the
 nodes to their depth positions (the V1 runner's M-RoPE targets use the
 torch pieces, which move three position rows), which makes a
-:class:`VerifyPlan`. After the walk, :func:`path_first_moves` says which
-node's KV goes to which slot so that the accepted path sits where a chain
-would have it.
+:class:`VerifyPlan`. After the walk, :func:`compact_kv` moves the accepted
+path's KV to the slots where a chain would have it, and
+:func:`path_first_moves` gives the token order that puts the path first
+(the drafter reads the target's hidden states in it).
 
 :func:`lay_out_trees` and :func:`path_first_moves` are each one Triton
 launch on a GPU (:mod:`vllm_ddtree.v1.ops.triton_verify_step`); their torch
@@ -42,10 +43,10 @@ class StagedLayout:
 
     Device tensors: ``num_nodes``, ``root_index`` (batch token of each root);
     ``node_tokens`` / ``node_rows`` / ``node_ids`` list every non-root node,
-    flattened, as batch token, request row and node index (``draft_start``:
-    each row's first entry there); ``tree_rows`` are the rows with drafts,
-    with their ``tree_nodes`` and ``tree_q_start`` (``tree_index``: each
-    row's index among them, ``-1`` for none); ``rows`` the sampler's maps;
+    flattened, as batch token, request row and node index; ``tree_rows``
+    are the rows with drafts, with their ``tree_nodes`` and
+    ``tree_q_start`` (``tree_index``: each row's index among them, ``-1``
+    for none); ``rows`` the sampler's maps;
     ``extra`` any arrays the caller added to the copy. ``width`` is the
     widest row, ``total`` the batch's token count; the ``host_*`` arrays are
     what the tree attention info needs on the host.
@@ -56,7 +57,6 @@ class StagedLayout:
     node_tokens: torch.Tensor
     node_rows: torch.Tensor
     node_ids: torch.Tensor
-    draft_start: torch.Tensor
     tree_rows: torch.Tensor
     tree_nodes: torch.Tensor
     tree_q_start: torch.Tensor
@@ -93,7 +93,6 @@ def stage_layout(
         root_index[node_rows] + node_ids,
         node_rows,
         node_ids,
-        np.cumsum(num_drafts) - num_drafts,
         tree_rows,
         num_nodes[tree_rows],
         root_index[tree_rows],
@@ -101,7 +100,7 @@ def stage_layout(
         *rows_host,
         *extra,
     )
-    num_fields, num_rows = 10, len(rows_host)
+    num_fields, num_rows = 9, len(rows_host)
     return StagedLayout(
         *uploaded[:num_fields],
         rows=VerifyRows.from_device(uploaded[num_fields : num_fields + num_rows]),
@@ -267,14 +266,13 @@ def path_first_moves(
     path: torch.Tensor,
     num_tokens: int,
     positions: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Put every request's accepted path (``path``, the walk's) first, the
-    rejected nodes after it in node order. Returns ``(src, dst, order)``:
-    the node at batch token ``src[i]`` belongs at ``dst[i]`` (one entry per
-    non-root node), and ``order[i]`` (``[num_tokens]``, at least the batch)
-    is the batch token whose data goes to token ``i`` (tokens outside trees
-    stay). With ``positions`` (``[tokens]``, depth positions) the nodes get
-    their linear positions back, in place."""
+) -> torch.Tensor:
+    """The batch's token order with every request's accepted path (``path``,
+    the walk's) first and the rejected nodes after it in node order:
+    ``order[i]`` (``[num_tokens]``, at least the batch) is the batch token
+    whose data goes to token ``i`` (tokens outside trees stay). With
+    ``positions`` (``[tokens]``, depth positions) the nodes get their linear
+    positions back, in place."""
     if path.is_cuda:
         # Imported here: only GPU processes need Triton.
         from vllm_ddtree.v1.ops.triton_verify_step import path_first_moves_triton
@@ -288,7 +286,7 @@ def path_first_moves_torch(
     path: torch.Tensor,
     num_tokens: int,
     positions: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """:func:`path_first_moves` in torch operations (any device)."""
     order = torch.arange(num_tokens, device=path.device)
     perm = path_first_permutation(path, layout.width)
@@ -298,11 +296,28 @@ def path_first_moves_torch(
     )
     rows = layout.node_rows
     roots = layout.root_index[rows]
-    src, dst = layout.node_tokens, roots + place[rows, layout.node_ids]
-    order[dst] = src
+    order[roots + place[rows, layout.node_ids]] = layout.node_tokens
     if positions is not None:
-        positions[src] = positions[roots] + layout.node_ids
-    return src, dst, order
+        positions[layout.node_tokens] = positions[roots] + layout.node_ids
+    return order
+
+
+def path_moves(
+    roots: torch.Tensor, path: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The accepted paths' KV moves as batch tokens, ``[R * max_depth]``
+    each: the node at depth ``d`` of request ``r`` (``path[r, d]``) goes from
+    ``roots[r] + path[r, d]`` to ``roots[r] + d``. Depths past the path, or
+    whose node is already in place, move the root onto itself (no slot is
+    both a real move's destination and a root), so the count is fixed and
+    the host never waits for the device. Every source is read before any
+    destination is written (``rows[dst] = rows[src]``)."""
+    depth = torch.arange(1, path.shape[1], device=path.device)
+    nodes = path[:, 1:]
+    moves = nodes > depth
+    src = roots[:, None] + torch.where(moves, nodes, 0)
+    dst = roots[:, None] + torch.where(moves, depth, 0)
+    return src.flatten(), dst.flatten()
 
 
 KVCommitPlan = dict[int, tuple[list, Callable | None]]
@@ -332,18 +347,23 @@ def kv_commit_plan(
 def compact_kv(
     plan: KVCommitPlan,
     slot_mapping: Callable[[int], torch.Tensor],
-    src_tokens: torch.Tensor,
-    dst_tokens: torch.Tensor,
+    roots: torch.Tensor,
+    path: torch.Tensor,
 ) -> None:
-    """Move the KV of batch token ``src_tokens[i]`` to the slot of token
-    ``dst_tokens[i]`` in every layer of ``plan`` (``slot_mapping(gid)``: the
-    step's slot of every batch token in KV-cache group ``gid``); the moves
-    permute their slots (:func:`path_first_moves`'s do)."""
+    """Move every request's accepted path (``path``, the walk's; ``roots``:
+    the batch token of each request's root) to the tokens right after its
+    root in every layer of ``plan`` (``slot_mapping(gid)``: the step's slot
+    of every batch token in KV-cache group ``gid``). The rejected nodes'
+    slots are left as they are: they lie past the committed tokens, and the
+    next step writes there before anything reads them."""
+    moves = None
     for gid, (layers, commit) in plan.items():
         slots = slot_mapping(gid)
         if commit is not None:
-            commit(slots, src_tokens, dst_tokens)
+            commit(slots, roots, path)
             continue
-        src, dst = slots[src_tokens], slots[dst_tokens]
+        if moves is None:
+            moves = path_moves(roots, path)
+        src, dst = slots[moves[0]], slots[moves[1]]
         for impl, kv_cache in layers:
             impl.copy_kv_slots(kv_cache, src, dst)

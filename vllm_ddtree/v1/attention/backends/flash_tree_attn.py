@@ -115,7 +115,7 @@ class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
             rows[dst] = rows[src]
 
     def kv_commit_for_layers(self, kv_caches: list[torch.Tensor]):
-        # On a GPU, NHD caches of one geometry: two launches for all layers.
+        # On a GPU, NHD caches of one geometry: one launch for all layers.
         rows = [slot_rows(cache) for cache in kv_caches]
         if not kv_caches or not kv_caches[0].is_cuda or any(r is None for r in rows):
             return None

@@ -386,8 +386,8 @@ class TreeAttentionImplMixin:
     def kv_commit_for_layers(
         self, kv_caches: list[torch.Tensor]
     ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
-        """A commit ``(slot_mapping, src_tokens, dst_tokens)`` of all
-        ``kv_caches`` (one KV-cache group's layers) at once (see
+        """A commit ``(slot_mapping, roots, path)`` of the accepted paths
+        in all ``kv_caches`` (one KV-cache group's layers) at once (see
         :class:`~vllm_ddtree.v1.ops.triton_kv_commit.SlotRowsCommit`), or
         ``None``: the runner then calls :meth:`copy_kv_slots` layer by
         layer."""

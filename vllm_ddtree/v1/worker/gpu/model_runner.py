@@ -37,7 +37,6 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import publish_tree
-from vllm_ddtree.v1.ops.triton_tree_cores import PathFirstMoves
 from vllm_ddtree.v1.worker.ddtree_model_runner import (
     DDTreeModelRunnerMixin,
     patched_attribute,
@@ -47,6 +46,7 @@ from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler import (
     SAMPLED_TOKEN_DTYPE,
     TreeWalkInput,
     TreeWalkSampler,
+    WalkedTrees,
 )
 from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator import (
     DDTreeSpeculator,
@@ -138,22 +138,22 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         sampler = self.rejection_sampler
         walked, sampler.last_walk = sampler.last_walk, None
         if walked is not None:
-            self._commit_path(walked.moves)
+            self._commit_path(walked)
         return result
 
-    def _commit_path(self, moves: PathFirstMoves) -> None:
+    def _commit_path(self, walked: WalkedTrees) -> None:
         """Move the accepted paths' KV to consecutive slots and hand the
         speculator the path-first order of the batch's (padded) tokens
-        (``moves``: written by the walk's launch, which also put the linear
-        positions back). Runs before the speculator: it writes its own query
-        slots into the same slot-mapping buffer the compaction reads."""
+        (written by the walk's launch, which also put the linear positions
+        back). Runs before the speculator: it writes its own query slots
+        into the same slot-mapping buffer the compaction reads."""
         compact_kv(
             self._kv_commit_plan(),
             lambda gid: self.block_tables.slot_mappings[gid],
-            moves.src,
-            moves.dst,
+            walked.moves.root,
+            walked.walk.path,
         )
-        self.speculator.set_accepted_order(moves.order)
+        self.speculator.set_accepted_order(walked.moves.order)
 
     def _kv_commit_plan(self) -> KVCommitPlan:
         if self._kv_commits is None:
