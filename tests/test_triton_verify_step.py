@@ -8,7 +8,7 @@ prints one JSON line per case. Batches mix full trees, best-first prefixes,
 chains (rows whose drafts were not built as trees), prefill rows and
 CUDA-graph padding after the batch; the oracles are
 :func:`~vllm_ddtree.v1.worker.verify_plan.lay_out_trees_torch` and
-:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_moves_torch` (tested
+:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_order_torch` (tested
 against hand-made layouts in ``test_v2_runner_plan.py``) and, for the
 commit, its definition. The GPU test suite runs the same comparison on the
 device (``tests/gpu``).
@@ -112,11 +112,11 @@ def compare(name: str, device: str = "cpu") -> dict:
     """The kernels' results next to the torch forms' for case ``name``."""
     from vllm_ddtree.v1.ops.triton_verify_step import (
         lay_out_trees_triton,
-        path_first_moves_triton,
+        path_first_order_triton,
     )
     from vllm_ddtree.v1.worker.verify_plan import (
         lay_out_trees_torch,
-        path_first_moves_torch,
+        path_first_order_torch,
     )
 
     budget, max_depth, *_ = CASES[name]
@@ -148,8 +148,8 @@ def compare(name: str, device: str = "cpu") -> dict:
     walk = _walk(trees, tree_row, layout, ref_parents, max_depth, g)
     path = walk.path.to(device)
     num_tokens = positions.shape[0]
-    ref = path_first_moves_torch(layout, path, num_tokens, ref_positions)
-    got = path_first_moves_triton(layout, path, num_tokens, got_positions)
+    ref = path_first_order_torch(layout, path, num_tokens, ref_positions)
+    got = path_first_order_triton(layout, path, num_tokens, got_positions)
     res.update(
         _commit_results(layout, path, num_tokens, g),
         order_equal=torch.equal(got, ref),

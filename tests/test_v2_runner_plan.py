@@ -17,13 +17,13 @@ import numpy as np
 import torch
 
 from vllm_ddtree.config import DDTreeConfig
-from vllm_ddtree.v1.ops.triton_tree_cores import PathFirstMoves
+from vllm_ddtree.v1.ops.triton_tree_cores import PathFirstOrder
 from vllm_ddtree.v1.spec_decode.tree import DraftTrees, WalkResult
 from vllm_ddtree.v1.worker.gpu.model_runner import DDTreeV2ModelRunner
 from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler import (
     WalkedTrees,
 )
-from vllm_ddtree.v1.worker.verify_plan import LayoutStager, path_first_moves
+from vllm_ddtree.v1.worker.verify_plan import LayoutStager, path_first_order
 
 # Request-state slot 2: root + nodes 1..4 with parents 0, 0, 1, 3 (depths 1,
 # 1, 2, 3); slot 0: a prefill row (no drafts) between the two trees; slot 1:
@@ -129,12 +129,12 @@ def test_commit_moves_the_accepted_path_and_restores_positions():
         num_accepted=torch.tensor([1, 0, 2]),
         bonus=torch.zeros(3, dtype=torch.long),
     )
-    # The walk's launch writes the order on a GPU (the moves' own test:
+    # The walk's launch writes the order on a GPU (the order's own test:
     # test_v2_tree_walk.py); two rows of CUDA-graph padding after the batch.
     positions = runner.input_buffers.positions
-    order = path_first_moves(plan.layout, path, len(case.linear) + 2, positions)
-    moves = PathFirstMoves(plan.layout.root_index, order, positions)
-    runner._commit_path(WalkedTrees(walk, moves))
+    order = path_first_order(plan.layout, path, len(case.linear) + 2, positions)
+    path_first = PathFirstOrder(plan.layout.root_index, order, positions)
+    runner._commit_path(WalkedTrees(walk, path_first))
 
     kv = case.cache.tolist()
     # Row 0: node 2's KV (slot 102) in the slot after its root (101); the

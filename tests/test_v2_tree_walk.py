@@ -66,7 +66,7 @@ def _run(num_reqs: int, max_nodes: int, max_depth: int, seed: int) -> dict:
         TreeWalkSampler,
     )
     from vllm_ddtree.v1.worker.host_staging import HostStaging
-    from vllm_ddtree.v1.worker.verify_plan import path_first_moves_torch, stage_layout
+    from vllm_ddtree.v1.worker.verify_plan import path_first_order_torch, stage_layout
 
     rejection_sampler.get_num_sampled_and_rejected = _num_sampled_and_rejected
     recorded = {}
@@ -134,7 +134,7 @@ def _run(num_reqs: int, max_nodes: int, max_depth: int, seed: int) -> dict:
     positions[staged.node_tokens] = staged.root_index[staged.node_rows] + 1
     sampler.step = TreeWalkInput(parents, staged, max_depth, positions)
     out = sampler(logits, batch)
-    moves = sampler.last_walk.moves
+    path_first = sampler.last_walk.path_first
 
     ref = walk_trees(tokens, parents, num_nodes, target, max_depth)
     # A column per accepted node at most, then the bonus.
@@ -150,9 +150,9 @@ def _run(num_reqs: int, max_nodes: int, max_depth: int, seed: int) -> dict:
         path = [int(n) for n in ref.path[r] if n >= 0]
         rest = [n for n in range(int(counts[r])) if n not in path]
         order += [int(cu[r]) + n for n in path + rest]
-    ref_moves = path_first_moves_torch(staged, ref.path, num_logits + 2)
+    ref_order = path_first_order_torch(staged, ref.path, num_logits + 2)
     return {
-        "moves_equal": torch.equal(moves.order, ref_moves),
+        "order_equal": torch.equal(path_first.order, ref_order),
         "positions_restored": torch.equal(positions, linear),
         "sampled_equal": torch.equal(out.sampled_token_ids.long(), expected),
         "num_sampled": out.num_sampled.tolist(),
@@ -181,7 +181,7 @@ def test_tree_walk_sampler_matches_the_torch_walk(interp_results, name):
     assert rec["max_accepted"] >= 2, rec  # the walks go deep
     assert rec["logprob_rows_equal"], rec
     # The walk's launch also put the paths first, as the torch order does.
-    assert rec["moves_equal"] and rec["positions_restored"], rec
+    assert rec["order_equal"] and rec["positions_restored"], rec
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

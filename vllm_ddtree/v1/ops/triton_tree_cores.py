@@ -164,11 +164,12 @@ def aligned_planes(
     return flat[:, :numel].view(num_planes, *shape)
 
 
-class PathFirstMoves(NamedTuple):
-    """Where a launch that knows the accepted paths puts each request's path
-    first (:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_moves`):
-    ``order`` (the identity on entry) receives the batch token whose data
-    goes to each token, and ``positions``, if given, gets the nodes' linear
+class PathFirstOrder(NamedTuple):
+    """The outputs of a launch that knows the accepted paths and also puts
+    each request's path first
+    (:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_order`): ``order``
+    (the identity on entry) receives the batch token whose data goes to
+    each token, and ``positions``, if given, gets the nodes' linear
     positions back from their roots' (``root[r]``: batch token of request
     ``r``'s root)."""
 
@@ -198,7 +199,7 @@ def walk_trees_triton(
     out: torch.Tensor | None = None,
     token_rows: torch.Tensor | None = None,
     target_rows: torch.Tensor | None = None,
-    path_first: PathFirstMoves | None = None,
+    path_first: PathFirstOrder | None = None,
 ) -> WalkResult:
     """:func:`~vllm_ddtree.v1.spec_decode.tree.walk_trees` in one launch.
 
@@ -213,8 +214,8 @@ def walk_trees_triton(
     j]]`` for node ``j`` of request ``r`` (the root's token is not read):
     no gathered copies.
 
-    With ``path_first`` the same launch also writes the path-first moves
-    of the walked paths there (see :class:`PathFirstMoves`).
+    With ``path_first`` the same launch also writes the path-first order
+    of the walked paths there (see :class:`PathFirstOrder`).
     """
     gather = token_rows is not None
     num_reqs, n = (token_rows if gather else node_tokens).shape
@@ -624,14 +625,14 @@ def compile_variants(
 ) -> list[tuple[int, int]]:
     """Launch every variant of the kernels that an engine with this budget
     can use (the build; the walk, the masks and the runner's lay-out and
-    path-first moves of :mod:`~vllm_ddtree.v1.ops.triton_verify_step` for
-    every node-tile size up to ``budget + 1`` nodes, the walk and the moves
+    path-first order of :mod:`~vllm_ddtree.v1.ops.triton_verify_step` for
+    every node-tile size up to ``budget + 1`` nodes, the walk and the order
     also for every depth tile a batch verified as a chain reaches: its depth
     bound is its width - 1), so that Triton compiles them at start-up rather
     than mid-serving. Inputs are dummies with the dtypes of the real calls;
     ``out_dtype`` is that of the sampler-output rows the walk writes (Triton
     compiles a kernel per pointer dtype), ``v2_runner`` whose lay-out and
-    moves to compile (see ``warm_up_verify_step``). Returns the walk's (node
+    path-first order to compile (see ``warm_up_verify_step``). Returns the walk's (node
     tile, depth tile) variants."""
     # Imported here: that module builds on this one's tiles.
     from vllm_ddtree.v1.ops.triton_verify_step import warm_up_verify_step

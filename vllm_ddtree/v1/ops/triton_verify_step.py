@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from vllm_ddtree.v1.ops.triton_tree_cores import (
-    PathFirstMoves,
+    PathFirstOrder,
     _depth_tile,
     _nodes_tile,
     _path_first_row,
@@ -153,52 +153,52 @@ def _path_first_kernel(
 
 def path_first_targets(
     layout: StagedLayout, num_tokens: int, positions: torch.Tensor | None = None
-) -> PathFirstMoves:
+) -> PathFirstOrder:
     """Fresh outputs for the path-first order of ``layout``'s batch
     (``num_tokens``: at least its tokens)."""
     order = torch.arange(num_tokens, device=layout.num_nodes.device)
-    return PathFirstMoves(layout.root_index, order, positions)
+    return PathFirstOrder(layout.root_index, order, positions)
 
 
-def path_first_moves_triton(
+def path_first_order_triton(
     layout: StagedLayout,
     path: torch.Tensor,
     num_tokens: int,
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_moves` in one
+    """:func:`~vllm_ddtree.v1.worker.verify_plan.path_first_order` in one
     launch (after the order's ``arange``); the V2 runner has the walk's
     launch write them instead (:func:`walk_trees_triton`'s ``path_first``)."""
     num_reqs, depth_slots = path.shape
-    moves = path_first_targets(layout, num_tokens, positions)
+    path_first = path_first_targets(layout, num_tokens, positions)
     if num_reqs:
         _path_first_kernel[(num_reqs,)](
             path,
             layout.num_nodes,
-            *moves.kernel_args(),
+            *path_first.kernel_args(),
             path.stride(0),
             depth_slots - 1,
             NP=_nodes_tile(layout.width),
             DP=_depth_tile(depth_slots - 1),
             RESTORE=positions is not None,
         )
-    return moves.order
+    return path_first.order
 
 
 def warm_up_verify_step(
-    walk: Callable[[PathFirstMoves | None], WalkResult],
+    walk: Callable[[PathFirstOrder | None], WalkResult],
     width: int,
     budget: int,
     v2_runner: bool,
     device: torch.device,
 ) -> None:
-    """Compile the lay-out and the path-first moves for one row of ``width``
+    """Compile the lay-out and the path-first order for one row of ``width``
     nodes on dummies with the dtypes and pointer alignments of the runner's
     calls (see ``compile_variants``; ``walk``: its dummy walk, optionally
-    writing the moves). The V2 runner gathers trees by request-state slot
+    writing the order). The V2 runner gathers trees by request-state slot
     (int32 slots, parents and depths side by side) and has the walk's
-    launch write the moves and put the positions back; the V1 runner's
-    trees are the last build's, by batch row (int64 rows), and its moves
+    launch write the order and put the positions back; the V1 runner's
+    trees are the last build's, by batch row (int64 rows), and its order
     are a launch of their own."""
     layout = stage_layout(HostStaging(device), np.array([width]), np.array([width]))
     if v2_runner:
@@ -220,4 +220,4 @@ def warm_up_verify_step(
     if v2_runner:
         walk(path_first_targets(layout, width, positions))
     else:
-        path_first_moves_triton(layout, walk(None).path, width)
+        path_first_order_triton(layout, walk(None).path, width)

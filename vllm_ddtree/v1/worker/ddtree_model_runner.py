@@ -85,7 +85,7 @@ from vllm_ddtree.v1.worker.verify_plan import (
     depth_shift,
     kv_commit_plan,
     lay_out_trees,
-    path_first_moves,
+    path_first_order,
     tree_attention_info,
     tree_rows_of,
 )
@@ -330,7 +330,7 @@ class DDTreeModelRunnerMixin:
             self.drafter.set_accepted_order(None)
             return
         self._compact_kv(plan.layout.root_index, walk.path)
-        order = path_first_moves(
+        order = path_first_order(
             plan.layout, walk.path, plan.linear_positions.shape[-1]
         )
         if plan.tree is not None and self.model_config.is_hybrid:

@@ -12,10 +12,10 @@ nodes to their depth positions (the V1 runner's M-RoPE targets use the
 torch pieces, which move three position rows), which makes a
 :class:`VerifyPlan`. After the walk, :func:`compact_kv` moves the accepted
 path's KV to the slots where a chain would have it, and
-:func:`path_first_moves` gives the token order that puts the path first
+:func:`path_first_order` gives the token order that puts the path first
 (the drafter reads the target's hidden states in it).
 
-:func:`lay_out_trees` and :func:`path_first_moves` are each one Triton
+:func:`lay_out_trees` and :func:`path_first_order` are each one Triton
 launch on a GPU (:mod:`vllm_ddtree.v1.ops.triton_verify_step`); their torch
 forms here are the CPU path and those kernels' oracle.
 """
@@ -261,7 +261,7 @@ class VerifyPlan:
     tree: TreeAttentionInfo | None
 
 
-def path_first_moves(
+def path_first_order(
     layout: StagedLayout,
     path: torch.Tensor,
     num_tokens: int,
@@ -275,19 +275,19 @@ def path_first_moves(
     positions back, in place."""
     if path.is_cuda:
         # Imported here: only GPU processes need Triton.
-        from vllm_ddtree.v1.ops.triton_verify_step import path_first_moves_triton
+        from vllm_ddtree.v1.ops.triton_verify_step import path_first_order_triton
 
-        return path_first_moves_triton(layout, path, num_tokens, positions)
-    return path_first_moves_torch(layout, path, num_tokens, positions)
+        return path_first_order_triton(layout, path, num_tokens, positions)
+    return path_first_order_torch(layout, path, num_tokens, positions)
 
 
-def path_first_moves_torch(
+def path_first_order_torch(
     layout: StagedLayout,
     path: torch.Tensor,
     num_tokens: int,
     positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`path_first_moves` in torch operations (any device)."""
+    """:func:`path_first_order` in torch operations (any device)."""
     order = torch.arange(num_tokens, device=path.device)
     perm = path_first_permutation(path, layout.width)
     # Each node's place in the path-first order (perm's inverse).

@@ -150,10 +150,10 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         compact_kv(
             self._kv_commit_plan(),
             lambda gid: self.block_tables.slot_mappings[gid],
-            walked.moves.root,
+            walked.path_first.root,
             walked.walk.path,
         )
-        self.speculator.set_accepted_order(walked.moves.order)
+        self.speculator.set_accepted_order(walked.path_first.order)
 
     def _kv_commit_plan(self) -> KVCommitPlan:
         if self._kv_commits is None:

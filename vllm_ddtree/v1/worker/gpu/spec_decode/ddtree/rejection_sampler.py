@@ -28,7 +28,7 @@ from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
-from vllm_ddtree.v1.ops.triton_tree_cores import PathFirstMoves, walk_trees_triton
+from vllm_ddtree.v1.ops.triton_tree_cores import PathFirstOrder, walk_trees_triton
 from vllm_ddtree.v1.ops.triton_verify_step import path_first_targets
 from vllm_ddtree.v1.sample.tree_rejection_sampler import VerifyRows
 from vllm_ddtree.v1.spec_decode.tree import WalkResult, path_first_permutation
@@ -53,11 +53,12 @@ class TreeWalkInput:
 
 @dataclass
 class WalkedTrees:
-    """A verify step's walk and, written by the same launch, the moves that
-    put each accepted path first (the KV commit's and the drafter's)."""
+    """A verify step's walk and, written by the same launch, the token order
+    that puts each accepted path first (the drafter reads the target's
+    hidden states in it)."""
 
     walk: WalkResult
-    moves: PathFirstMoves
+    path_first: PathFirstOrder
 
 
 class TreeWalkSampler(RejectionSampler):
@@ -102,7 +103,7 @@ class TreeWalkSampler(RejectionSampler):
             dtype=SAMPLED_TOKEN_DTYPE,
             device=logits.device,
         )
-        moves = path_first_targets(
+        path_first = path_first_targets(
             step.layout, input_batch.num_tokens_after_padding, step.positions
         )
         # Every logit row's token and choice, read at each node's row.
@@ -115,9 +116,9 @@ class TreeWalkSampler(RejectionSampler):
             sampled,
             token_rows=layout.logit_rows,
             target_rows=layout.logit_rows,
-            path_first=moves,
+            path_first=path_first,
         )
-        self.last_walk = WalkedTrees(walk, moves)
+        self.last_walk = WalkedTrees(walk, path_first)
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             (walk.num_accepted + 1).to(torch.int32),
             input_batch.seq_lens,
