@@ -28,6 +28,19 @@ def test_upload_keeps_values_shapes_and_grows():
     assert torch.equal(ta, torch.from_numpy(a))
 
 
+def test_uploads_take_the_buffers_in_turn():
+    """Each upload fills the next of the staging buffers (on a GPU the copy
+    that last read it was made ``slots`` uploads ago), growing it when it is
+    too small; every upload's values come through."""
+    staging = HostStaging("cpu", slots=3)
+    sizes = [5, 2000, 7, 3, 4000, 1, 9]
+    for n in sizes:
+        (t,) = staging.upload(np.arange(n) * 3)
+        assert t.tolist() == list(range(0, 3 * n, 3))
+    # Uploads 0, 3, 6 used buffer 0; 1 and 4 buffer 1 (grown for 4000).
+    assert [b.numel() for b in staging._host] == [1024, 4000, 1024]
+
+
 def test_every_array_starts_on_16_bytes():
     """As a fresh tensor would (Triton specialises kernels on it)."""
     arrays = [np.arange(n) for n in (1, 3, 0, 2, 5, 1)]

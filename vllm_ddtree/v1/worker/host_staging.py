@@ -25,12 +25,21 @@ _ALIGN = 2
 
 
 class HostStaging:
-    """Uploads groups of integer arrays as int64 device tensors."""
+    """Uploads groups of integer arrays as int64 device tensors.
 
-    def __init__(self, device: torch.device | str) -> None:
+    A pinned buffer can be rewritten only once the copy that last read it
+    has left it. Under async scheduling no step ends with a sync, and the
+    previous upload's copy may still be queued behind the GPU's last step,
+    so one buffer would make a step whose layout changed wait for the GPU.
+    ``slots`` buffers are used in turn instead: the copy that last read the
+    next one was made ``slots`` uploads ago.
+    """
+
+    def __init__(self, device: torch.device | str, slots: int = 4) -> None:
         self.device = torch.device(device)
-        self._host: torch.Tensor | None = None
-        self._sent: torch.cuda.Event | None = None
+        self._host: list[torch.Tensor | None] = [None] * slots
+        self._sent: list[torch.cuda.Event | None] = [None] * slots
+        self._slot = 0
 
     def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """int64 device tensors with the shapes and values of ``arrays``
@@ -41,22 +50,25 @@ class HostStaging:
         starts = np.cumsum(padded) - padded
         total = int(padded.sum())
         on_gpu = self.device.type == "cuda"
-        if self._sent is not None:
-            # The previous transfer must have left the buffer before it is
-            # rewritten (it has, in practice: every step ends with a sync).
-            self._sent.synchronize()
-        capacity = 0 if self._host is None else self._host.numel()
-        if capacity < total:
+        slot = self._slot
+        self._slot = (slot + 1) % len(self._host)
+        sent = self._sent[slot]
+        if sent is not None:
+            sent.synchronize()
+        buffer = self._host[slot]
+        capacity = 0 if buffer is None else buffer.numel()
+        if buffer is None or capacity < total:
             size = max(total, 1024, 2 * capacity)
-            self._host = torch.empty(size, dtype=torch.int64, pin_memory=on_gpu)
-        host = self._host.numpy()
+            buffer = torch.empty(size, dtype=torch.int64, pin_memory=on_gpu)
+            self._host[slot] = buffer
+        host = buffer.numpy()
         for array, lo, size in zip(arrays, starts, sizes, strict=True):
             host[lo : lo + size] = array.ravel()
-        staged = self._host[:total]
+        staged = buffer[:total]
         if on_gpu:
             flat = staged.to(self.device, non_blocking=True)
-            self._sent = torch.cuda.Event()
-            self._sent.record()
+            self._sent[slot] = torch.cuda.Event()
+            self._sent[slot].record()
         else:
             flat = staged.clone()
         return [
