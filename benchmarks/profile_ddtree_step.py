@@ -12,6 +12,8 @@ times a decode of ``--max-tokens`` tokens and examines more decodes:
   drafter's hand-over) beside the stock pieces it adds to, measured with
   plain timers around those functions (inclusive: nested phases count in
   their callers too);
+* ``stacks.txt``: every thread's wall time by innermost frames, sampled
+  (waits included, where the timers and cProfile see only running code);
 * ``cprofile.txt``: Python time by function (host-side overhead), then the
   callers of every host-device sync (``.cpu()``, ``.item()``, ...);
 * ``kernels.txt``: the torch profiler's per-op table sorted by device time,
@@ -45,8 +47,10 @@ import io
 import json
 import os
 import pstats
+import sys
+import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +223,57 @@ def gc_pauses(run: Any) -> dict[str, float]:
     return dict(counts)
 
 
+def wall_stacks(run: Any, interval_s: float = 2e-4, depth: int = 6) -> str:
+    """Where each thread's wall time goes during ``run()``: a sampler thread
+    reads every thread's stack (``sys._current_frames``) each
+    ``interval_s``, and the report lists each thread's most frequent
+    innermost ``depth`` frames with their share of its samples. Unlike the
+    phase timers and cProfile this counts time spent waiting (a CUDA event,
+    a lock, a sleep) where the wait is. Python's thread switch interval is
+    lowered meanwhile so that a thread running Python cannot keep the
+    sampler out for the default 5 ms."""
+    counts: Counter[tuple[int, str]] = Counter()
+    stop = threading.Event()
+    names = {t.ident: t.name for t in threading.enumerate()}
+
+    def sample() -> None:
+        me = threading.get_ident()
+        while not stop.wait(interval_s):
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                frames = []
+                while frame is not None and len(frames) < depth:
+                    code = frame.f_code
+                    frames.append(
+                        f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
+                        f"({code.co_name})"
+                    )
+                    frame = frame.f_back
+                counts[(ident, " < ".join(frames))] += 1
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(interval_s / 2)
+    sampler = threading.Thread(target=sample, name="wall-stacks", daemon=True)
+    sampler.start()
+    try:
+        run()
+    finally:
+        stop.set()
+        sampler.join()
+        sys.setswitchinterval(switch)
+    names.update((t.ident, t.name) for t in threading.enumerate())
+    per_thread: Counter[int] = Counter()
+    for (ident, _), n in counts.items():
+        per_thread[ident] += n
+    lines = []
+    for ident, total in per_thread.most_common():
+        lines.append(f"== thread {names.get(ident, ident)}: {total} samples")
+        top = [(st, n) for (i, st), n in counts.most_common() if i == ident]
+        lines += [f"{100 * n / total:6.1f}%  {st}" for st, n in top[:25]]
+    return "\n".join(lines) + "\n"
+
+
 def count_steps(llm: Any, run: Any) -> int:
     """Engine steps (the scheduler's calls) during ``run()``."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
@@ -387,6 +442,8 @@ def main() -> None:
     (args.out / "phases.json").write_text(json.dumps(phases, indent=2))
     for label, row in phases.items():
         print(f"{row['ms_per_step']:8.3f} ms/step  {row['calls']:5d}x  {label}")
+
+    (args.out / "stacks.txt").write_text(wall_stacks(decode))
 
     prof = cProfile.Profile()
     prof.enable()
