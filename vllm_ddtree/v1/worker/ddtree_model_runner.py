@@ -608,7 +608,7 @@ def warm_up_tree_kernels(
 ) -> None:
     """Compile the Triton kernels of a DDTree step at start-up (the V1 and V2
     GPU runners): the tree cores (the walk writing rows of the runner's
-    ``sampled_dtype``; the lay-out and the path-first moves as the V1 or the
+    ``sampled_dtype``; the lay-out and the path-first order as the V1 or the
     V2 runner, ``v2_runner``, calls them), the drafter's top-k normaliser,
     the tree attention once
     per distinct layer geometry (``block_table_for(gid)``: a one-request
