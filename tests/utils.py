@@ -67,11 +67,16 @@ def shutdown_llm(llm: LLM | None) -> None:
 
 
 def reset_vllm_state() -> None:
-    """Drop vLLM's process-global distributed state (left behind by engines
-    that were only deleted). Only call it while no engine is in use."""
+    """Drop vLLM's process-global state left behind by engines that were only
+    deleted: the distributed groups, and the CUDA-graph capture guard (the V1
+    runner turns it off after its capture and the V2 runner never turns it
+    back on, so a V2 engine with graphs after a V1 one in the same process
+    fails to capture). Only call it while no engine is in use."""
+    from vllm.compilation.monitor import set_cudagraph_capturing_enabled
     from vllm.distributed import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
+    set_cudagraph_capturing_enabled(True)
 
 
 @contextmanager
