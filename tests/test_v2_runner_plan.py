@@ -14,6 +14,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_ddtree.config import DDTreeConfig
@@ -148,3 +149,37 @@ def test_commit_moves_the_accepted_path_and_restores_positions():
     order = runner.speculator.order.tolist()
     assert order[:5] == [0, 2, 1, 3, 4]
     assert order[5:] == list(range(5, len(case.linear) + 2))
+
+
+def test_target_step_skips_drafter_only_attention_groups():
+    """The target step builds no metadata for a group made only of drafter
+    layers (the drafter builds its own); mixed groups stay, and the
+    speculator's own groups pass through untouched."""
+    from vllm_ddtree.v1.worker.gpu.model_runner import target_attn_groups
+
+    def group(*names):
+        return SimpleNamespace(layer_names=list(names))
+
+    tree, draft, mixed = group("t.0", "t.1"), group("d.0"), group("t.2", "d.1")
+    runner = DDTreeV2ModelRunner.__new__(DDTreeV2ModelRunner)
+    runner.attn_groups = [[tree, draft], [mixed]]
+    runner._target_attn_groups = target_attn_groups(runner.attn_groups, {"d.0", "d.1"})
+    assert runner._target_attn_groups == [[tree], [mixed]]
+
+    seen = []
+    runner.model_state = SimpleNamespace(
+        prepare_attn=lambda *args, **kwargs: seen.append(args[4])
+    )
+    runner._plan = None
+    # load_model's wrapper, without loading a model.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            "vllm.v1.worker.gpu.model_runner.GPUModelRunner.load_model",
+            lambda self, *args, **kwargs: None,
+        )
+        runner.rejection_sampler = None
+        runner.load_model()
+    speculator_groups = [[draft]]
+    runner.model_state.prepare_attn(None, None, None, None, runner.attn_groups, None)
+    runner.model_state.prepare_attn(None, None, None, None, speculator_groups, None)
+    assert seen == [[[tree], [mixed]], speculator_groups]
