@@ -61,7 +61,7 @@ def _ddtree_with_graph_buffers(
 
     def init_with_buffers(self, kv_cache_spec, layer_names, vllm_config, device):
         inner_init(self, kv_cache_spec, layer_names, vllm_config, device)
-        self.uniform_trees = uniform_tree_buffers(vllm_config, MAX_NUM_SEQS, device)
+        self.uniform_trees = uniform_tree_buffers(vllm_config, device)
 
     monkeypatch.setattr(CPUTreeAttentionMetadataBuilder, "__init__", init_with_buffers)
     requests, params = tree_sized_requests()

@@ -48,6 +48,13 @@ CASES: dict[str, tuple[int, int, list[tuple[str, int]], torch.dtype, int]] = {
     "budget-256": (256, 15, [("prefill", 3), ("tree", 257)], torch.int32, 4),
 }
 NUM_SLOTS, PADDING = 6, 3
+# name -> case as above whose rows are all n-node trees (or chains), filled
+# into graph buffers of n nodes with this many rows of graph padding after.
+UNIFORM_CASES: dict[str, tuple[tuple, int]] = {
+    "uniform-8": ((8, 4, [("tree", 9), ("chain", 9), ("tree", 9)], torch.int32, 6), 2),
+    "uniform-64": ((64, 15, [("tree", 65), ("tree", 65)], torch.int32, 7), 1),
+    "uniform-64-unpadded": ((64, 15, [("tree", 65)], torch.int32, 8), 0),
+}
 
 
 def _case(
@@ -202,10 +209,94 @@ def _commit_results(layout, path, num_tokens: int, g) -> dict:
     }
 
 
+def compare_uniform(name: str, device: str = "cpu") -> dict:
+    """The lay-out kernel filling a uniform batch's graph buffers, against
+    the same buffers filled by the tree metadata builder
+    (:meth:`UniformTreeBuffers.fill` of the torch lay-out's published tree,
+    the steps without a fill from the lay-out)."""
+    from vllm_ddtree.v1.attention.backends.tree_attn import (
+        UniformFill,
+        UniformTreeBuffers,
+    )
+    from vllm_ddtree.v1.ops.triton_verify_step import lay_out_trees_triton
+    from vllm_ddtree.v1.worker.verify_plan import (
+        UniformTarget,
+        lay_out_trees_torch,
+        tree_attention_info,
+    )
+
+    case, padding = UNIFORM_CASES[name]
+    trees, layout, tree_row, positions, seq_lens, _ = _case(*case, device)
+    num_reqs, n = tree_row.shape[0], layout.width
+    num_rows = num_reqs + padding
+    shapes = (trees.parents.to(device), trees.depths.to(device))
+
+    def buffers() -> UniformTreeBuffers:
+        return UniformTreeBuffers(num_rows + 1, n, 512, torch.device(device))
+
+    ref_buffers, got_buffers = buffers(), buffers()
+    # Stale inputs of an earlier step that the fill must overwrite.
+    for b in (ref_buffers, got_buffers):
+        b.mask.fill_(-1)
+        b.ctx_len.fill_(77)
+    ref_parents, ref_rows = lay_out_trees_torch(
+        layout, shapes, tree_row, positions.clone(), seq_lens
+    )
+    ctx_bound = seq_lens.cpu().numpy().astype(np.int64) - n
+    tree = tree_attention_info(layout, ref_rows, ctx_bound, n - 1)
+    padded_seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(padding)])
+    ref = ref_buffers.fill(num_rows, padded_seq_lens, tree)
+    # fill's steady-state path leaves the padding rows' masks alone.
+    ref_buffers.mask[num_reqs * n : num_rows * n] = ref_buffers.chain_mask[
+        num_reqs * n : num_rows * n
+    ]
+    got_positions = positions.clone()
+    got_parents, _ = lay_out_trees_triton(
+        layout,
+        shapes,
+        tree_row,
+        got_positions,
+        seq_lens,
+        UniformTarget(got_buffers, num_rows),
+    )
+    tree.uniform_fill = UniformFill(got_buffers, num_rows, got_parents)
+    untouched = got_buffers.mask.clone()
+    got = got_buffers.fill(num_rows, padded_seq_lens, tree)
+    rows = slice(0, num_rows * n)
+    return {
+        "mask_equal": torch.equal(
+            got_buffers.mask[rows], ref_buffers.mask[rows].to(device)
+        ),
+        "ctx_equal": torch.equal(
+            got_buffers.ctx_len[:num_rows], ref_buffers.ctx_len[:num_rows]
+        ),
+        "parents_equal": torch.equal(got_parents[:num_reqs], ref_parents)
+        and torch.equal(
+            got_parents[num_reqs:], ref_buffers.chain_parents[num_reqs:num_rows]
+        ),
+        "fill_skipped": torch.equal(got_buffers.mask, untouched)
+        and got.parents is got_parents,
+        "same_description": all(
+            torch.equal(getattr(got, f), getattr(ref, f))
+            for f in ("req_rows", "q_start", "num_nodes", "ctx_len")
+        )
+        and got.packed[0].data_ptr() == got_buffers.mask.data_ptr(),
+        "mask_has_trees": not torch.equal(
+            got_buffers.mask[rows], got_buffers.chain_mask[rows]
+        ),
+    }
+
+
 def _worker() -> None:
     for name in CASES:
         try:
             res = compare(name)
+        except Exception as exc:
+            res = {"error": repr(exc)}
+        print_case(name, res)
+    for name in UNIFORM_CASES:
+        try:
+            res = compare_uniform(name)
         except Exception as exc:
             res = {"error": repr(exc)}
         print_case(name, res)
@@ -223,6 +314,17 @@ def test_verify_step_kernels_interpreted(interp_results, name):
     assert rec["commit_kernel_equal"] and rec["commit_torch_equal"], rec
     # The cases move nodes: deep trees and walks that accept several nodes.
     assert rec["depth_moved"] and rec["max_accepted"] >= 2, rec
+
+
+@pytest.mark.parametrize("name", list(UNIFORM_CASES))
+def test_lay_out_fills_uniform_buffers_interpreted(interp_results, name):
+    """A uniform batch's graph buffers filled by the lay-out launch hold what
+    the builder's fill would have written (trees, chain rows and chain
+    graph padding), and the builder's fill then launches nothing."""
+    rec = interpreted_case(interp_results, name)
+    assert rec["mask_equal"] and rec["ctx_equal"] and rec["parents_equal"], rec
+    assert rec["fill_skipped"] and rec["same_description"], rec
+    assert rec["mask_has_trees"], rec
 
 
 def test_commit_cases_move_kv(interp_results):

@@ -265,9 +265,11 @@ def test_schedule_without_speculation_keeps_decode_batches_stock():
             num_speculative_tokens_per_batch_size=[(1, 1, 8), (2, 16, 0)],
         ),
         model_config=SimpleNamespace(max_model_len=64),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=None),
     )
     builder = TreeMetadataBuilderMixin()
-    builder.uniform_trees = uniform_tree_buffers(config, 4, torch.device("cpu"))
+    builder.uniform_trees = uniform_tree_buffers(config, torch.device("cpu"))
     assert sorted(builder.uniform_trees) == [9]
     metadata = SimpleNamespace(block_table=torch.zeros(2, 4, dtype=torch.int32))
     cm = SimpleNamespace(
@@ -299,9 +301,11 @@ def test_schedule_widths_get_buffers_of_their_own():
             num_speculative_tokens_per_batch_size=[(1, 1, 8), (2, 16, N - 1)],
         ),
         model_config=SimpleNamespace(max_model_len=64),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=None),
     )
     builder = TreeMetadataBuilderMixin()
-    builder.uniform_trees = uniform_tree_buffers(config, 4, torch.device("cpu"))
+    builder.uniform_trees = uniform_tree_buffers(config, torch.device("cpu"))
     assert sorted(builder.uniform_trees) == [N, 9]
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 2], [-1, 0, 1, 0, 3, 2, 5]])
     tree = _published(parents, [5, 9])

@@ -53,6 +53,8 @@ def _runner() -> tuple[DDTreeV2ModelRunner, SimpleNamespace]:
     runner = DDTreeV2ModelRunner.__new__(DDTreeV2ModelRunner)
     runner.ddtree = DDTreeConfig(budget=budget, max_depth=15, adaptive_budget=False)
     runner.layouts = LayoutStager("cpu")
+    runner.device = torch.device("cpu")
+    runner._uniform_trees = {}
     runner.speculator = SimpleNamespace(
         req_tree_shapes=(trees.parents, trees.depths), order=None
     )
@@ -115,6 +117,31 @@ def test_plan_moves_nodes_to_depth_positions_and_describes_the_trees():
     step = runner.rejection_sampler.step
     assert step.parents.shape == (3, 5)
     assert step.parents[1].tolist() == [-1] * 5
+
+
+def test_uniform_batches_are_filled_by_the_lay_out_on_a_gpu():
+    """The lay-out launch fills the graph buffers only for a batch of trees
+    of one size that has buffers, up to their rows (graph padding counted),
+    and only on a GPU (the lay-out's CPU path has no fill)."""
+    from vllm_ddtree.v1.attention.backends.tree_attn import UniformTreeBuffers
+
+    runner, case = _runner()
+    buffers = UniformTreeBuffers(4, 5, 64, torch.device("cpu"))
+    runner._uniform_trees = {5: buffers}
+
+    def target(num_nodes, padded_rows):
+        batch = SimpleNamespace(num_reqs_after_padding=padded_rows)
+        return runner._uniform_target(batch, np.array(num_nodes), max(num_nodes))
+
+    assert target([5, 5, 5], 4) is None  # a CPU runner
+    runner.device = torch.device("cuda")
+    uniform = target([5, 5, 5], 4)
+    assert uniform.buffers is buffers and uniform.num_reqs == 4
+    assert target([5, 1, 5], 3) is None  # a prefill row
+    assert target([5, 5, 5], 5) is None  # more rows than the buffers hold
+    assert target([3, 3], 2) is None  # a tree size without buffers
+    runner.speculator.req_tree_shapes = None
+    assert target([5, 5, 5], 3) is None  # no proposal trees (all chains)
 
 
 def test_commit_moves_the_accepted_path_and_restores_positions():

@@ -268,10 +268,33 @@ def _ancestor_bits_kernel(
     WP: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
+    _store_ancestor_bits(
+        PARENTS + r * stride_par,
+        tl.load(NUM_NODES + r).to(tl.int32),
+        PACKED + tl.load(ROW_START + r).to(tl.int64) * stride_packed,
+        stride_packed,
+        num_words,
+        max_depth,
+        NP,
+        WP,
+    )
+
+
+@triton.jit
+def _store_ancestor_bits(
+    ROW_PARENTS,  # the row's parents (root -1)
+    n,
+    OUT,  # the row's first mask row
+    stride_out,
+    num_words,
+    max_depth,
+    NP: tl.constexpr,
+    WP: tl.constexpr,
+):
+    """Write the bit-packed ancestor-or-self masks of one row's ``n`` nodes
+    (depths at most ``max_depth``) to ``OUT``, one mask row per node."""
     idx = tl.arange(0, NP)
     words = tl.arange(0, WP)
-    n = tl.load(NUM_NODES + r).to(tl.int32)
-    row0 = tl.load(ROW_START + r).to(tl.int64)
     valid = idx < n
     # Every node climbs its ancestor chain at once, setting one bit a level.
     cur = tl.where(valid, idx, -1)
@@ -282,9 +305,9 @@ def _ancestor_bits_kernel(
         safe = tl.maximum(cur, 0)
         hit = alive[:, None] & (words[None, :] == (safe // 32)[:, None])
         bits = bits | tl.where(hit, (one << (safe % 32))[:, None], 0)
-        up = tl.load(PARENTS + r * stride_par + safe, mask=alive, other=-1)
+        up = tl.load(ROW_PARENTS + safe, mask=alive, other=-1)
         cur = tl.where(alive, up.to(tl.int32), -1)
-    ptrs = PACKED + (row0 + idx)[:, None] * stride_packed + words[None, :]
+    ptrs = OUT + idx.to(tl.int64)[:, None] * stride_out + words[None, :]
     tl.store(ptrs, bits, mask=valid[:, None] & (words[None, :] < num_words))
 
 

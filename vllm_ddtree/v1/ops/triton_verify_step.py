@@ -21,19 +21,36 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.v1.attention.backends.tree_attn import UniformTreeBuffers
 from vllm_ddtree.v1.ops.triton_tree_cores import (
     PathFirstOrder,
     _depth_tile,
     _nodes_tile,
     _path_first_row,
+    _store_ancestor_bits,
     aligned_planes,
 )
 from vllm_ddtree.v1.spec_decode.tree import WalkResult
 from vllm_ddtree.v1.worker.host_staging import HostStaging
-from vllm_ddtree.v1.worker.verify_plan import StagedLayout, TreeRows, stage_layout
+from vllm_ddtree.v1.worker.verify_plan import (
+    StagedLayout,
+    TreeRows,
+    UniformTarget,
+    stage_layout,
+)
 
 
-@triton.jit(do_not_specialize=["stride_trees", "stride_par", "stride_tpar", "width"])
+@triton.jit(
+    do_not_specialize=[
+        "stride_trees",
+        "stride_par",
+        "stride_tpar",
+        "width",
+        "num_rows",
+        "stride_mask",
+        "num_words",
+    ]
+)
 def _lay_out_kernel(
     TREE_ROW,  # [R]: row of the proposal's trees, -1 for a chain
     TREE_PARENTS,  # [S, B]: parent of node j + 1 at column j (root 0)
@@ -41,7 +58,7 @@ def _lay_out_kernel(
     NUM_NODES,  # [R]: query tokens of the row, root included
     ROOT,  # [R]: batch token of the row's root
     POSITIONS,  # [tokens]: linear positions in, depth positions out
-    PARENTS,  # [R, width] out: root and padding -1
+    PARENTS,  # [R (+ graph padding when FILL), width] out: root and padding -1
     TREE_INDEX,  # [R]: the row's index among the tree rows, -1 for none
     SEQ_LENS,  # [R]
     T_REQ_ROWS,  # [T] int32 out (the tree rows' attention inputs)
@@ -49,16 +66,25 @@ def _lay_out_kernel(
     T_NUM_NODES,
     T_CTX_LEN,
     T_PARENTS,  # [T, width] out
+    U_MASK,  # FILL: [rows * width, words] out, a uniform batch's ancestor masks
+    U_CTX,  # FILL: [rows] out, its context lengths
     stride_trees,
     stride_par,
     stride_tpar,
     width,
+    num_rows,  # R: programs past it are graph padding (FILL only)
+    stride_mask,
+    num_words,
     NP: tl.constexpr,
+    WP: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
+    real = r < num_rows
     j = tl.arange(0, NP)
-    n = tl.load(NUM_NODES + r)
-    row = tl.load(TREE_ROW + r).to(tl.int64)
+    # Graph padding (FILL) lays out as a chain of `width` tokens.
+    n = tl.load(NUM_NODES + r, mask=real, other=width)
+    row = tl.load(TREE_ROW + r, mask=real, other=-1).to(tl.int64)
     node = (j > 0) & (j < n)
     built = node & (row >= 0)
     col = tl.maximum(row, 0) * stride_trees + j - 1
@@ -68,17 +94,32 @@ def _lay_out_kernel(
     depth = tl.where(row >= 0, depth, j)
     in_row = j < width
     tl.store(PARENTS + r * stride_par + j, parent, mask=in_row)
-    root = tl.load(ROOT + r)
-    root_pos = tl.load(POSITIONS + root)
-    tl.store(POSITIONS + root + j, root_pos + depth, mask=node)
-    t = tl.load(TREE_INDEX + r)
+    root = tl.load(ROOT + r, mask=real, other=0)
+    root_pos = tl.load(POSITIONS + root, mask=real, other=0)
+    tl.store(POSITIONS + root + j, root_pos + depth, mask=node & real)
+    t = tl.load(TREE_INDEX + r, mask=real, other=-1)
+    seq_len = tl.load(SEQ_LENS + r, mask=real, other=0).to(tl.int32)
     if t >= 0:
         tl.store(T_PARENTS + t * stride_tpar + j, parent, mask=in_row)
         tl.store(T_REQ_ROWS + t, r.to(tl.int32))
         tl.store(T_Q_START + t, root.to(tl.int32))
         tl.store(T_NUM_NODES + t, n.to(tl.int32))
-        ctx = tl.load(SEQ_LENS + r).to(tl.int32) - n.to(tl.int32)
-        tl.store(T_CTX_LEN + t, ctx)
+        tl.store(T_CTX_LEN + t, seq_len - n.to(tl.int32))
+    if FILL:
+        # Every row of a uniform batch has `width` tokens from row r * width
+        # on; its masks climb the parents just stored (chains: causal).
+        tl.store(U_CTX + r, tl.maximum(seq_len - n.to(tl.int32), 0))
+        tl.debug_barrier()
+        _store_ancestor_bits(
+            PARENTS + r * stride_par,
+            n,
+            U_MASK + r * width * stride_mask,
+            stride_mask,
+            num_words,
+            width - 1,
+            NP,
+            WP,
+        )
 
 
 def lay_out_trees_triton(
@@ -87,19 +128,27 @@ def lay_out_trees_triton(
     tree_row: torch.Tensor,
     positions: torch.Tensor,
     seq_lens: torch.Tensor,
+    uniform: UniformTarget | None = None,
 ) -> tuple[torch.Tensor, TreeRows]:
     """:func:`~vllm_ddtree.v1.worker.verify_plan.lay_out_trees` in one
-    launch."""
+    launch; with ``uniform`` (a batch of ``width``-node trees) the launch
+    also writes its graph buffers' context lengths and ancestor masks, and
+    the parents cover the graph padding too."""
     num_reqs, width = tree_row.shape[0], layout.width
     num_trees = len(layout.host_tree_rows)
     device = tree_row.device
-    parents = torch.empty(num_reqs, width, dtype=torch.long, device=device)
+    num_rows = num_reqs if uniform is None else uniform.num_reqs
+    parents = torch.empty(num_rows, width, dtype=torch.long, device=device)
     # Read by the tree attention and the ancestor masks, one pointer each.
     rows = aligned_planes(4, (num_trees,), torch.int32, device)
     tree_parents = torch.empty(num_trees, width, dtype=torch.long, device=device)
     proposal_parents, proposal_depths = tree_shapes
-    if num_reqs:
-        _lay_out_kernel[(num_reqs,)](
+    fill = uniform is not None
+    # Without FILL the kernel writes neither: any int32 pointers will do.
+    mask = uniform.buffers.mask if fill else rows[0][None]
+    ctx = uniform.buffers.ctx_len if fill else rows[0]
+    if num_rows:
+        _lay_out_kernel[(num_rows,)](
             tree_row,
             proposal_parents,
             proposal_depths,
@@ -114,11 +163,18 @@ def lay_out_trees_triton(
             rows[2],
             rows[3],
             tree_parents,
+            mask,
+            ctx,
             proposal_parents.stride(0),
             parents.stride(0),
             tree_parents.stride(0),
             width,
+            num_reqs,
+            mask.stride(0),
+            mask.shape[1],
             NP=_nodes_tile(width),
+            WP=_nodes_tile(width) // 32,
+            FILL=fill,
         )
     return parents, TreeRows(*rows.unbind(0), tree_parents)
 
@@ -196,7 +252,8 @@ def warm_up_verify_step(
     nodes on dummies with the dtypes and pointer alignments of the runner's
     calls (see ``compile_variants``; ``walk``: its dummy walk, optionally
     writing the order). The V2 runner gathers trees by request-state slot
-    (int32 slots, parents and depths side by side) and has the walk's
+    (int32 slots, parents and depths side by side), has the lay-out fill a
+    uniform batch's graph buffers, and has the walk's
     launch write the order and put the positions back; the V1 runner's
     trees are the last build's, by batch row (int64 rows), and its order
     are a launch of their own."""
@@ -210,14 +267,16 @@ def warm_up_verify_step(
         tree_shapes = (shapes[1], shapes[2])
         tree_row = layout.num_nodes * 0
     positions = torch.zeros(width, dtype=torch.long, device=device)
-    lay_out_trees_triton(
-        layout,
-        tree_shapes,
-        tree_row,
-        positions,
-        torch.full((1,), width, dtype=torch.int32, device=device),
-    )
+    seq_lens = torch.full((1,), width, dtype=torch.int32, device=device)
+    lay_out_trees_triton(layout, tree_shapes, tree_row, positions, seq_lens)
     if v2_runner:
+        # A uniform batch's lay-out also fills its graph buffers (one row of
+        # graph padding here).
+        buffers = UniformTreeBuffers(2, width, width, device)
+        uniform = UniformTarget(buffers, 2)
+        lay_out_trees_triton(
+            layout, tree_shapes, tree_row, positions, seq_lens, uniform
+        )
         walk(path_first_targets(layout, width, positions))
     else:
         path_first_order_triton(layout, walk(None).path, width)

@@ -30,7 +30,10 @@ import numpy as np
 import torch
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from vllm_ddtree.v1.attention.backends.tree_attn import TreeAttentionInfo
+from vllm_ddtree.v1.attention.backends.tree_attn import (
+    TreeAttentionInfo,
+    UniformTreeBuffers,
+)
 from vllm_ddtree.v1.sample.tree_rejection_sampler import VerifyRows
 from vllm_ddtree.v1.spec_decode.tree import gather_tree_layout, path_first_permutation
 from vllm_ddtree.v1.worker.host_staging import HostStaging
@@ -177,12 +180,23 @@ def tree_rows_of(
     )
 
 
+@dataclass
+class UniformTarget:
+    """Graph buffers that :func:`lay_out_trees` fills for a uniform batch
+    (every request a tree of ``buffers.num_nodes`` nodes), for its first
+    ``num_reqs`` rows, graph padding included (see :class:`UniformFill`)."""
+
+    buffers: UniformTreeBuffers
+    num_reqs: int
+
+
 def lay_out_trees(
     layout: StagedLayout,
     tree_shapes: tuple[torch.Tensor, torch.Tensor] | None,
     tree_row: torch.Tensor,
     positions: torch.Tensor,
     seq_lens: torch.Tensor,
+    uniform: UniformTarget | None = None,
 ) -> tuple[torch.Tensor, TreeRows]:
     """Every row's ``parents [R, W]`` (root column and padding ``-1``) and
     the batch's :class:`TreeRows`, from the proposal trees ``tree_shapes``
@@ -190,12 +204,17 @@ def lay_out_trees(
     for batch row ``r``, ``-1``: a chain; ``None``, no proposal: all chains;
     see :func:`gather_tree_layout`). Moves every node's ``positions``
     (``[tokens]``, linear on entry) to its root's position plus its depth,
-    in place."""
+    in place. ``uniform`` (GPU only) also fills those graph buffers in the
+    same launch; ``parents`` then has a chain row per padding row."""
     if positions.is_cuda and tree_shapes is not None:
         # Imported here: only GPU processes need Triton.
         from vllm_ddtree.v1.ops.triton_verify_step import lay_out_trees_triton
 
-        return lay_out_trees_triton(layout, tree_shapes, tree_row, positions, seq_lens)
+        return lay_out_trees_triton(
+            layout, tree_shapes, tree_row, positions, seq_lens, uniform
+        )
+    if uniform is not None:
+        raise ValueError("filling graph buffers in the lay-out needs a GPU")
     return lay_out_trees_torch(layout, tree_shapes, tree_row, positions, seq_lens)
 
 

@@ -63,12 +63,7 @@ class FlashTreeAttentionMetadataBuilder(
         cfg = get_ddtree_config(vllm_config)
         self.flash_context = cfg is not None and cfg.flash_context
         if cfg is not None:
-            # A padded graph batch has at most one request per token.
-            max_reqs = max(
-                vllm_config.scheduler_config.max_num_seqs,
-                vllm_config.compilation_config.max_cudagraph_capture_size or 0,
-            )
-            self.uniform_trees = uniform_tree_buffers(vllm_config, max_reqs, device)
+            self.uniform_trees = uniform_tree_buffers(vllm_config, device)
 
     def _attach_tree(self, metadata, common_attn_metadata, tree) -> bool:
         uniform = super()._attach_tree(metadata, common_attn_metadata, tree)

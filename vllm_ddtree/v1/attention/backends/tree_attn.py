@@ -57,6 +57,9 @@ class TreeAttentionInfo:
             bound too.
         packed: the packed ancestor masks, when they live in buffers of
             their own (see :attr:`packed_mask`).
+        uniform_fill: set when the runner already wrote this step's inputs
+            into the graph buffers of a uniform batch (see
+            :class:`UniformFill`).
     """
 
     req_rows: torch.Tensor
@@ -72,6 +75,7 @@ class TreeAttentionInfo:
     covers_batch: bool = False
     ctx_len_bound: int | None = None
     packed: tuple[torch.Tensor, torch.Tensor] | None = None
+    uniform_fill: UniformFill | None = None
 
     @functools.cached_property
     def max_nodes(self) -> int:
@@ -209,6 +213,9 @@ class UniformTreeBuffers:
         have ``num_nodes`` nodes each (at any rows; the batch's other rows
         are chains).
         """
+        done = tree.uniform_fill if tree is not None else None
+        if done is not None and done.buffers is self and done.num_reqs == num_reqs:
+            return self._describe(num_reqs, done.parents, self.num_nodes - 1)
         n = self.num_nodes
         ctx = self.ctx_len[:num_reqs]
         torch.sub(seq_lens[:num_reqs], n, out=ctx)
@@ -243,11 +250,18 @@ class UniformTreeBuffers:
                 )
                 parents = parents.clone()
                 parents[rows] = tree.parents[:, :n].to(parents.dtype)
+        return self._describe(num_reqs, parents, max_depth)
+
+    def _describe(
+        self, num_reqs: int, parents: torch.Tensor, max_depth: int
+    ) -> TreeAttentionInfo:
+        """The batch of the first ``num_reqs`` rows, as the buffers hold it."""
+        n = self.num_nodes
         return TreeAttentionInfo(
             req_rows=self.req_rows[:num_reqs],
             q_start=self.q_start[:num_reqs],
             num_nodes=self.node_counts[:num_reqs],
-            ctx_len=ctx,
+            ctx_len=self.ctx_len[:num_reqs],
             parents=parents,
             max_depth=max_depth,
             req_rows_cpu=list(range(num_reqs)),
@@ -260,8 +274,22 @@ class UniformTreeBuffers:
         )
 
 
+@dataclass
+class UniformFill:
+    """This step's inputs of a uniform batch, already in ``buffers`` (the
+    V2 runner's tree lay-out launch writes them, which saves :meth:`fill`
+    its launches): context lengths and ancestor masks of the first
+    ``num_reqs`` rows (graph padding included, as chains), whose
+    ``parents`` are ``[num_reqs, n]``. A builder that sees another row
+    count (a batch it does not pad) fills the buffers itself."""
+
+    buffers: UniformTreeBuffers
+    num_reqs: int
+    parents: torch.Tensor
+
+
 def uniform_tree_buffers(
-    vllm_config, max_num_reqs: int, device: torch.device
+    vllm_config, device: torch.device
 ) -> dict[int, UniformTreeBuffers]:
     """Graph buffers for every query length of a uniform verify batch that
     vLLM captures as a full CUDA graph, by that length: ``1 + B`` and, under
@@ -270,15 +298,36 @@ def uniform_tree_buffers(
     ``1 + K``. A captured length without buffers would replay the chain
     attention its capture saw over the step's trees. ``K = 0`` (no
     speculation at those batch sizes) gets none: its one-token decode
-    batches have no tree and keep the stock kernel."""
+    batches have no tree and keep the stock kernel.
+
+    Every caller with the same settings gets the same buffers: the metadata
+    builders of all tree-attention groups (each fill writes the same
+    step's inputs) and the V2 runner, whose lay-out launch fills them."""
     spec = vllm_config.speculative_config
     schedule = spec.num_speculative_tokens_per_batch_size or ()
     widths = {1 + spec.num_speculative_tokens} | {1 + k for *_, k in schedule if k}
-    max_model_len = vllm_config.model_config.max_model_len
-    return {
-        n: UniformTreeBuffers(max_num_reqs, n, max_model_len, device)
-        for n in sorted(widths)
-    }
+    # A padded graph batch has at most one request per token.
+    max_num_reqs = max(
+        vllm_config.scheduler_config.max_num_seqs,
+        vllm_config.compilation_config.max_cudagraph_capture_size or 0,
+    )
+    key = (
+        tuple(sorted(widths)),
+        max_num_reqs,
+        vllm_config.model_config.max_model_len,
+        torch.device(device),
+    )
+    buffers = _UNIFORM_BUFFERS.get(key)
+    if buffers is None:
+        widths, max_num_reqs, max_model_len, device = key
+        buffers = _UNIFORM_BUFFERS[key] = {
+            n: UniformTreeBuffers(max_num_reqs, n, max_model_len, device)
+            for n in widths
+        }
+    return buffers
+
+
+_UNIFORM_BUFFERS: dict[tuple, dict[int, UniformTreeBuffers]] = {}
 
 
 class TreeMetadataBuilderMixin:

@@ -39,7 +39,11 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.utils import AttentionGroup
 
 from vllm_ddtree.config import get_ddtree_config
-from vllm_ddtree.v1.attention.backends.tree_attn import publish_tree
+from vllm_ddtree.v1.attention.backends.tree_attn import (
+    UniformFill,
+    publish_tree,
+    uniform_tree_buffers,
+)
 from vllm_ddtree.v1.worker.ddtree_model_runner import (
     DDTreeModelRunnerMixin,
     patched_attribute,
@@ -57,6 +61,7 @@ from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator import (
 from vllm_ddtree.v1.worker.verify_plan import (
     KVCommitPlan,
     LayoutStager,
+    UniformTarget,
     VerifyPlan,
     compact_kv,
     kv_commit_plan,
@@ -73,6 +78,9 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         assert cfg is not None, "the DDTree runner needs method 'ddtree'"
         self.ddtree = cfg
         self.layouts = LayoutStager(device)
+        # The tree attention builders' graph buffers (shared, see
+        # uniform_tree_buffers).
+        self._uniform_trees = uniform_tree_buffers(vllm_config, device)
         self._plan: VerifyPlan | None = None
         self._kv_commits: KVCommitPlan | None = None
 
@@ -142,22 +150,45 @@ class DDTreeV2ModelRunner(GPUModelRunner):
             input_batch.query_start_loc_np[1 : num_reqs + 1],
         )
         max_depth = min(self.ddtree.max_depth, layout.width - 1)
+        uniform = self._uniform_target(input_batch, num_nodes, layout.width)
         parents, tree_rows = lay_out_trees(
             layout,
             self.speculator.req_tree_shapes,
             input_batch.idx_mapping,
             self.input_buffers.positions,
             input_batch.seq_lens,
+            uniform,
         )
         self.rejection_sampler.step = TreeWalkInput(
-            parents, layout, max_depth, self.input_buffers.positions
+            parents[:num_reqs], layout, max_depth, self.input_buffers.positions
         )
         ctx_len = (
             input_batch.seq_lens_cpu_upper_bound[:num_reqs].numpy().astype(np.int64)
             - num_nodes
         )
         tree = tree_attention_info(layout, tree_rows, ctx_len, max_depth)
+        if tree is not None and uniform is not None:
+            tree.uniform_fill = UniformFill(uniform.buffers, uniform.num_reqs, parents)
         return VerifyPlan(layout, None, tree)
+
+    def _uniform_target(
+        self, input_batch: InputBatch, num_nodes: np.ndarray, width: int
+    ) -> UniformTarget | None:
+        """The graph buffers the lay-out launch fills when every request is
+        a tree of one size that has them (the batch vLLM replays as a full
+        CUDA graph, padded to ``num_reqs_after_padding`` rows), so that the
+        tree metadata builder's :meth:`~UniformTreeBuffers.fill` launches
+        nothing."""
+        buffers = self._uniform_trees.get(width)
+        if (
+            buffers is None
+            or self.device.type != "cuda"
+            or self.speculator.req_tree_shapes is None
+            or input_batch.num_reqs_after_padding > buffers.max_num_reqs
+            or not bool(np.all(num_nodes == width))
+        ):
+            return None
+        return UniformTarget(buffers, input_batch.num_reqs_after_padding)
 
     # -- step 5: commit the accepted path -----------------------------------
 
