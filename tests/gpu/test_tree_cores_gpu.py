@@ -21,6 +21,7 @@ from tests.test_triton_tree_cores import (
     random_topk,
 )
 from tests.test_triton_verify_step import CASES as VERIFY_STEP_CASES
+from tests.test_triton_verify_step import UNIFORM_CASES, compare_uniform
 from tests.test_triton_verify_step import compare as compare_verify_step
 from vllm_ddtree.v1.attention.backends.tree_attn import pack_ancestor_mask
 from vllm_ddtree.v1.spec_decode.tree import ancestor_mask, build_trees, walk_trees
@@ -93,6 +94,13 @@ def test_verify_step_kernels_on_gpu(name):
     assert all(rec["rows_equal"].values()), rec
     assert rec["order_equal"] and rec["restored"], rec
     assert rec["commit_kernel_equal"] and rec["commit_torch_equal"], rec
+
+
+@pytest.mark.parametrize("name", list(UNIFORM_CASES))
+def test_lay_out_fills_uniform_buffers_on_gpu(name):
+    rec = compare_uniform(name, "cuda")
+    assert rec["mask_equal"] and rec["ctx_equal"] and rec["parents_equal"], rec
+    assert rec["fill_skipped"] and rec["same_description"], rec
 
 
 @pytest.mark.parametrize(
