@@ -144,6 +144,7 @@ def lay_out_trees_triton(
     tree_parents = torch.empty(num_trees, width, dtype=torch.long, device=device)
     proposal_parents, proposal_depths = tree_shapes
     fill = uniform is not None
+    assert not fill or uniform.buffers.num_nodes == width, "buffers of another size"
     # Without FILL the kernel writes neither: any int32 pointers will do.
     mask = uniform.buffers.mask if fill else rows[0][None]
     ctx = uniform.buffers.ctx_len if fill else rows[0]
