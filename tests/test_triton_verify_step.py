@@ -288,15 +288,11 @@ def compare_uniform(name: str, device: str = "cpu") -> dict:
 
 
 def _worker() -> None:
-    for name in CASES:
+    cases = [(name, compare) for name in CASES]
+    cases += [(name, compare_uniform) for name in UNIFORM_CASES]
+    for name, run in cases:
         try:
-            res = compare(name)
-        except Exception as exc:
-            res = {"error": repr(exc)}
-        print_case(name, res)
-    for name in UNIFORM_CASES:
-        try:
-            res = compare_uniform(name)
+            res = run(name)
         except Exception as exc:
             res = {"error": repr(exc)}
         print_case(name, res)
