@@ -5,10 +5,16 @@ Every engine runs in its own process (vLLM does not reliably free device
 memory inside one process) with the *same* engine settings; only
 ``speculative_config`` differs.  One engine per (method, budget) serves every
 batch size and temperature: for batch size ``b`` it runs waves of ``b``
-concurrent requests (``max_num_seqs`` is the largest batch size).  Reported
-per (method, budget, batch, temperature):
+concurrent requests (``max_num_seqs`` is the largest batch size), or with
+``--steady`` keeps ``b`` requests in flight, a new one entering as soon as
+one finishes, as a server at that concurrency would. A wave lasts as long as
+its slowest request, and its last steps run a shrinking batch; a method
+whose requests spread more in accepted tokens per step (trees at T > 0)
+pays that tail in every wave, whereas in steady mode only at the end of the
+row.  Reported per (method, budget, batch, temperature):
 
-* output tok/s (all generated tokens / wall time of the waves);
+* output tok/s (all generated tokens / wall time of the waves, or of the
+  steady run);
 * mean acceptance length tau = 1 + accepted / drafts (vLLM's spec-decode
   counters), and the acceptance-length histogram (from the per-position
   accepted counters);
@@ -65,6 +71,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +185,15 @@ def _prompts(job: dict) -> list[list[int]]:
     ]
 
 
+def _enough(
+    min_requests: int, min_seconds: float, start: float
+) -> Callable[[int], bool]:
+    """Whether a row has run enough requests: at least ``min_requests``, and
+    ``min_seconds`` of wall time since ``start`` (a row of a few hundred
+    milliseconds is at the mercy of one stall)."""
+    return lambda n: n >= min_requests and time.perf_counter() - start >= min_seconds
+
+
 def run_worker(job: dict) -> list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -194,26 +210,55 @@ def run_worker(job: dict) -> list[dict]:
     async_scheduling = bool(scheduler_config.async_scheduling)
     pool = _prompts(job)
 
+    def request(k: int, temperature: float, max_tokens: int):
+        """Request ``k``: its prompt and sampling parameters (the same for
+        every method)."""
+        params = SamplingParams(
+            temperature=temperature,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            seed=k if temperature > 0 else None,
+        )
+        return TokensPrompt(prompt_token_ids=pool[k % len(pool)]), params
+
     def wave(
         first: int, batch: int, temperature: float, max_tokens: int
     ) -> list[list[int]]:
         """Run requests ``first .. first + batch - 1`` together; their
         output token ids."""
-        ks = range(first, first + batch)
-        outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=pool[k % len(pool)]) for k in ks],
-            [
-                SamplingParams(
-                    temperature=temperature,
-                    max_tokens=max_tokens,
-                    ignore_eos=True,
-                    seed=k if temperature > 0 else None,
-                )
-                for k in ks
-            ],
-            use_tqdm=False,
+        prompts, params = zip(
+            *(request(k, temperature, max_tokens) for k in range(first, first + batch)),
+            strict=True,
         )
+        outs = llm.generate(list(prompts), list(params), use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
+
+    def steady(
+        batch: int, temperature: float, max_tokens: int, enough: Callable[[int], bool]
+    ) -> list[list[int]]:
+        """Run requests ``0, 1, ...`` with ``batch`` of them in flight, a new
+        one entering as one finishes, until ``enough(submitted)``; their
+        output token ids, in request order."""
+        engine = llm.llm_engine
+        outputs: dict[str, list[int]] = {}
+        submitted = 0
+
+        def submit() -> None:
+            nonlocal submitted
+            engine.add_request(
+                str(submitted), *request(submitted, temperature, max_tokens)
+            )
+            submitted += 1
+
+        for _ in range(batch):
+            submit()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+                    if not enough(submitted):
+                        submit()
+        return [outputs[str(k)] for k in range(submitted)]
 
     rows = []
     is_ddtree = _base_method(job["method"]) == "ddtree"
@@ -221,21 +266,21 @@ def run_worker(job: dict) -> list[dict]:
         for batch in job["batch_sizes"]:
             # Warm-up at this shape and sampling mode (lazy compiles, graphs).
             wave(0, batch, temperature, 4)
-            # At least min_requests requests and min_seconds of wall time: a
-            # row of a few hundred milliseconds is at the mercy of one stall.
-            min_waves = max(1, math.ceil(job["min_requests"] / batch))
+            min_requests = batch * max(1, math.ceil(job["min_requests"] / batch))
             before = _counters(llm)
             start = time.perf_counter()
-            tokens = waves = 0
-            digests: list[str] = []
-            while waves < min_waves or time.perf_counter() - start < job["min_seconds"]:
-                outputs = wave(waves * batch, batch, temperature, job["max_tokens"])
-                tokens += sum(map(len, outputs))
-                # Every method runs the same first wave (same prompts, same
-                # seeds at T > 0): its outputs compare across methods.
-                digests = digests or [output_digest(ids) for ids in outputs]
-                waves += 1
+            enough = _enough(min_requests, job["min_seconds"], start)
+            if job["steady"]:
+                outputs = steady(batch, temperature, job["max_tokens"], enough)
+            else:
+                outputs = []
+                while not enough(len(outputs)):
+                    outputs += wave(len(outputs), batch, temperature, job["max_tokens"])
             seconds = time.perf_counter() - start
+            tokens = sum(map(len, outputs))
+            # Every method runs the same first requests (same prompts, same
+            # seeds at T > 0): their outputs compare across methods.
+            digests = [output_digest(ids) for ids in outputs[:batch]]
             after = _counters(llm)
             drafts = after["drafts"] - before["drafts"]
             draft_tokens = after["draft_tokens"] - before["draft_tokens"]
@@ -257,9 +302,10 @@ def run_worker(job: dict) -> list[dict]:
                     "flash_context": is_ddtree and job["flash_context"],
                     "schedule": job["schedule"] if is_ddtree else None,
                     "async_scheduling": async_scheduling,
+                    "steady": job["steady"],
                     "batch": batch,
                     "temperature": temperature,
-                    "requests": waves * batch,
+                    "requests": len(outputs),
                     "tokens": tokens,
                     "seconds": seconds,
                     "tok_s": tokens / seconds,
@@ -296,7 +342,7 @@ def run_worker(job: dict) -> list[dict]:
 
 
 def _key(r: dict) -> tuple:
-    return (r["batch"], r["temperature"])
+    return (r["batch"], r["temperature"], r.get("steady", False))
 
 
 def output_digest(token_ids: list[int]) -> str:
@@ -358,7 +404,7 @@ def table(rows: list[dict]) -> str:
         tau = r["tau"] if spec else None
         # Rows from before the draft-token counter have no nodes_per_draft.
         nodes = r.get("nodes_per_draft") if spec else None
-        method = r["method"] + (" async" if r.get("async_scheduling") else "")
+        method = _variant(r)
         lines.append(
             f"| {r['batch']} | {r['temperature']:g} | {method} | {budget} "
             f"| {_fmt(nodes, '.1f')} | {r['tok_s']:.1f} | {_fmt(tau, '.2f')} "
@@ -370,8 +416,9 @@ def table(rows: list[dict]) -> str:
 
 
 def _variant(r: dict) -> str:
-    """A row's method as the table names it (runner suffix, async)."""
-    return r["method"] + (" async" if r.get("async_scheduling") else "")
+    """A row's method as the table names it (runner suffix, async, steady)."""
+    suffixes = [("async", r.get("async_scheduling")), ("steady", r.get("steady"))]
+    return " ".join([r["method"], *(name for name, on in suffixes if on)])
 
 
 def _tree_size(r: dict) -> float:
@@ -704,6 +751,12 @@ def main(argv: list[str] | None = None) -> None:
         help="ddtree: vLLM's batch-size schedule of tree sizes, FIRST-LAST:K,... "
         "(e.g. 1-1:64,2-8:16,9-1024:4; needs --fixed-budget)",
     )
+    ap.add_argument(
+        "--steady",
+        action="store_true",
+        help="keep each batch size's requests in flight (a new request as one "
+        "finishes) instead of running waves",
+    )
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -760,6 +813,8 @@ def main(argv: list[str] | None = None) -> None:
             tag += "-flashctx"
         if args.async_scheduling:
             tag += "-async"
+        if args.steady:
+            tag += "-steady"
         job.update(
             target=args.target,
             drafter=args.drafter,
@@ -770,6 +825,7 @@ def main(argv: list[str] | None = None) -> None:
             max_tokens=args.max_tokens,
             min_requests=args.min_requests,
             min_seconds=args.min_seconds,
+            steady=args.steady,
             engine=engine,
             fixed_budget=args.fixed_budget,
             flash_context=args.flash_context,

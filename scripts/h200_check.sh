@@ -62,7 +62,8 @@
 #                                            # (E2E_SCHEDULE: trees sized by batch size)
 #   bash scripts/h200_check.sh train-e2e-async-v2  # a 3-minute pair and all three
 #                                            # async rows in one call (E2E_BATCH_SIZES;
-#                                            # E2E_METHODS, E2E_BUDGETS: DDTree's Bs, default 64)
+#                                            # E2E_METHODS, E2E_BUDGETS: DDTree's Bs, default 64;
+#                                            # E2E_STEADY=1: requests kept in flight, not waves)
 # (train and e2e, e2e-8b and its -flash / -v1 additions run back to back: /tmp survives
 # only while the machine stays warm.)
 # Every engine runs in a process of its own (in-process engines neither free
@@ -221,7 +222,7 @@ e2e_pair() {
   step "$2-${3//,/+}-${4//,/+}" "$1" python3 benchmarks/bench_e2e.py --pair /tmp/pair-h200 \
     --out "/tmp/$2" --methods "$3" --budgets "$4" --batch-sizes "${E2E_BATCH_SIZES:-1,16,64}" \
     --size-for-budget "${E2E_SIZE:-256}" --max-cudagraph-capture-size "${E2E_CAPTURE:-4160}" \
-    --temperatures 0,1 --job-timeout 240 "${@:5}"
+    --temperatures 0,1 --job-timeout 240 ${E2E_STEADY:+--steady} "${@:5}"
   e2e_report "$2"
   cp "/tmp/$2"/*.png "$out/" 2>/dev/null
 }

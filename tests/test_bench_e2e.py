@@ -6,6 +6,7 @@ are sized so that a grid split over several runs keeps one set of them."""
 from __future__ import annotations
 
 import argparse
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from benchmarks.bench_e2e import (
     DFLASH_DRAFTS,
     _engine_settings,
+    _enough,
     _schedule,
     _speculative_config,
     _tokens_needed,
@@ -41,6 +43,30 @@ def _row(method, tok_s, budget=None, **extra):
         "tok_s": tok_s, "tau": 3.0, "step_ms": 5.0, "adaptive_budget": True,
         **extra,
     }  # fmt: skip
+
+
+def test_steady_rows_compare_with_steady_baselines():
+    """Rows of steady runs (requests kept in flight) and of waves at the same
+    batch and T are two measurements: each row's ratios use its own mode's
+    baselines, and the table names steady rows."""
+    rows = add_ratios(
+        [
+            _row("dflash", 100.0),
+            _row("dflash", 200.0, steady=True),
+            _row("ddtree", 150.0, 64),
+            _row("ddtree", 300.0, 64, steady=True, async_scheduling=True),
+        ]
+    )
+    assert [r["vs_dflash"] for r in rows] == [1.0, 1.0, 1.5, 1.5]
+    methods = [line.split("|")[3].strip() for line in table(rows).splitlines()[2:]]
+    assert methods == ["dflash", "ddtree", "dflash steady", "ddtree async steady"]
+
+
+def test_enough_needs_both_requests_and_time():
+    start = time.perf_counter()
+    assert not _enough(4, 0.0, start)(3)
+    assert _enough(4, 0.0, start)(4)
+    assert not _enough(4, 3600.0, start)(100)
 
 
 def test_ratios_and_table():
