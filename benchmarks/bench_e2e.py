@@ -62,6 +62,7 @@ so that the runner's own per-step cost can be told from DDTree's.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -194,6 +195,36 @@ def _enough(
     return lambda n: n >= min_requests and time.perf_counter() - start >= min_seconds
 
 
+def run_steady(
+    llm,
+    request: Callable[[int], tuple[Any, Any]],
+    batch: int,
+    enough: Callable[[int], bool],
+) -> list[list[int]]:
+    """Run requests ``0, 1, ...`` (``request(k)``: prompt and sampling
+    parameters) with ``batch`` of them in flight, a new one entering as one
+    finishes, until ``enough(submitted)``; their output token ids, in
+    request order."""
+    engine = llm.llm_engine
+    outputs: dict[str, list[int]] = {}
+    submitted = 0
+
+    def submit() -> None:
+        nonlocal submitted
+        engine.add_request(str(submitted), *request(submitted))
+        submitted += 1
+
+    for _ in range(batch):
+        submit()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+                if not enough(submitted):
+                    submit()
+    return [outputs[str(k)] for k in range(submitted)]
+
+
 def run_worker(job: dict) -> list[dict]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -233,33 +264,6 @@ def run_worker(job: dict) -> list[dict]:
         outs = llm.generate(list(prompts), list(params), use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    def steady(
-        batch: int, temperature: float, max_tokens: int, enough: Callable[[int], bool]
-    ) -> list[list[int]]:
-        """Run requests ``0, 1, ...`` with ``batch`` of them in flight, a new
-        one entering as one finishes, until ``enough(submitted)``; their
-        output token ids, in request order."""
-        engine = llm.llm_engine
-        outputs: dict[str, list[int]] = {}
-        submitted = 0
-
-        def submit() -> None:
-            nonlocal submitted
-            engine.add_request(
-                str(submitted), *request(submitted, temperature, max_tokens)
-            )
-            submitted += 1
-
-        for _ in range(batch):
-            submit()
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = list(out.outputs[0].token_ids)
-                    if not enough(submitted):
-                        submit()
-        return [outputs[str(k)] for k in range(submitted)]
-
     rows = []
     is_ddtree = _base_method(job["method"]) == "ddtree"
     for temperature in job["temperatures"]:
@@ -271,7 +275,10 @@ def run_worker(job: dict) -> list[dict]:
             start = time.perf_counter()
             enough = _enough(min_requests, job["min_seconds"], start)
             if job["steady"]:
-                outputs = steady(batch, temperature, job["max_tokens"], enough)
+                requests = functools.partial(
+                    request, temperature=temperature, max_tokens=job["max_tokens"]
+                )
+                outputs = run_steady(llm, requests, batch, enough)
             else:
                 outputs = []
                 while not enough(len(outputs)):

@@ -241,3 +241,28 @@ def test_plots_take_every_ddtree_and_dflash_variant():
         ("ddtree", 64),
         ("ddtree-v2", 64),
     ]
+
+
+def test_steady_run_returns_each_requests_own_output(fixtures):
+    """``run_steady`` (requests kept in flight, a new one entering as one
+    finishes) hands back every request's own output: requests of different
+    lengths finish at different steps, so requests enter mid-run beside
+    others, and greedy outputs still equal one batch of them all."""
+    from vllm import SamplingParams
+
+    from benchmarks.bench_e2e import run_steady
+    from tests.utils import llm_engine
+
+    prompts = [[(11 * k + 3 * j) % 200 + 5 for j in range(4 + k % 3)] for k in range(7)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3 + 2 * (k % 4)) for k in range(7)
+    ]
+
+    def request(k: int):
+        return {"prompt_token_ids": prompts[k]}, params[k]
+
+    with llm_engine(fixtures.dense_target, gpu_memory_utilization=0.25) as llm:
+        steady = run_steady(llm, request, batch=2, enough=lambda n: n >= 7)
+        together = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert steady == [list(o.outputs[0].token_ids) for o in together]
+    assert [len(ids) for ids in steady] == [p.max_tokens for p in params]
