@@ -140,8 +140,6 @@ def test_uniform_batches_are_filled_by_the_lay_out_on_a_gpu():
     assert target([5, 1, 5], 3) is None  # a prefill row
     assert target([5, 5, 5], 5) is None  # more rows than the buffers hold
     assert target([3, 3], 2) is None  # a tree size without buffers
-    runner.speculator.req_tree_shapes = None
-    assert target([5, 5, 5], 3) is None  # no proposal trees (all chains)
 
 
 def test_commit_moves_the_accepted_path_and_restores_positions():

@@ -206,7 +206,9 @@ class UniformTreeBuffers:
         seq_lens: torch.Tensor,
         tree: TreeAttentionInfo | None,
     ) -> TreeAttentionInfo:
-        """Write a uniform batch's inputs into the buffers and describe it.
+        """Write a uniform batch's inputs into the buffers and describe it
+        (only describe it when the runner's lay-out launch already wrote
+        them: ``tree.uniform_fill``).
 
         ``seq_lens`` (``[num_reqs]``, device) counts each request's context
         plus its query; ``tree`` is the step's published tree, whose trees

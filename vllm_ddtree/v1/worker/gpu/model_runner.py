@@ -183,7 +183,6 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         if (
             buffers is None
             or self.device.type != "cuda"
-            or self.speculator.req_tree_shapes is None
             or input_batch.num_reqs_after_padding > buffers.max_num_reqs
             or not bool(np.all(num_nodes == width))
         ):
