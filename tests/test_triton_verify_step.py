@@ -167,28 +167,47 @@ def compare(name: str, device: str = "cpu") -> dict:
     return res
 
 
-def _commit_results(layout, path, num_tokens: int, g) -> dict:
-    """The all-layers KV commit kernel and the layer-by-layer torch moves
-    (:func:`~vllm_ddtree.v1.worker.verify_plan.path_moves`), each against
-    the commit's definition: the accepted node at depth ``d`` of request
-    ``r`` lands in the slot of batch token ``root + d``, and no other slot
-    changes. Two layers of rows 24 wide (not a power of two), batch tokens
-    on shuffled slots."""
-    from vllm_ddtree.v1.ops.triton_kv_commit import SlotRowsCommit
-    from vllm_ddtree.v1.worker.verify_plan import path_moves
-
-    device = path.device
-    num_slots = num_tokens + 7
-    slots = torch.randperm(num_slots, generator=g)[:num_tokens]
-    layers = [torch.randn(num_slots, 24, generator=g) for _ in range(2)]
+def committed_rows(
+    layers: list[torch.Tensor],
+    slots: torch.Tensor,
+    roots: torch.Tensor,
+    path: torch.Tensor,
+) -> list[torch.Tensor]:
+    """The KV commit's definition, on copies of ``layers`` (``[slots,
+    width]`` rows, on the CPU): the accepted node at depth ``d`` of request
+    ``r`` lands in the slot of batch token ``roots[r] + d`` (``slots``: each
+    batch token's), and no other slot changes."""
     expected = [rows.clone() for rows in layers]
-    roots = layout.root_index.cpu().tolist()
+    roots = roots.cpu().tolist()
     for r, row in enumerate(path.cpu().tolist()):
         for d, node in enumerate(row[1:], start=1):
             if node < 0:
                 break
             for want, rows in zip(expected, layers, strict=True):
                 want[slots[roots[r] + d]] = rows[slots[roots[r] + node]]
+    return expected
+
+
+def random_kv_layers(
+    num_tokens: int, g: torch.Generator
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Batch tokens on shuffled slots (a few spare) and two layers of slot
+    rows 24 wide (not a power of two)."""
+    num_slots = num_tokens + 7
+    slots = torch.randperm(num_slots, generator=g)[:num_tokens]
+    return slots, [torch.randn(num_slots, 24, generator=g) for _ in range(2)]
+
+
+def _commit_results(layout, path, num_tokens: int, g) -> dict:
+    """The all-layers KV commit kernel and the layer-by-layer torch moves
+    (:func:`~vllm_ddtree.v1.worker.verify_plan.path_moves`), each against
+    the commit's definition (:func:`committed_rows`)."""
+    from vllm_ddtree.v1.ops.triton_kv_commit import SlotRowsCommit
+    from vllm_ddtree.v1.worker.verify_plan import path_moves
+
+    device = path.device
+    slots, layers = random_kv_layers(num_tokens, g)
+    expected = committed_rows(layers, slots, layout.root_index, path)
     kernel_rows = [rows.clone().to(device) for rows in layers]
     commit = SlotRowsCommit.for_rows(kernel_rows)
     commit(slots.to(device), layout.root_index, path)

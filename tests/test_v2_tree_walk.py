@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.test_triton_tree_cores import random_batch
+from tests.test_triton_verify_step import committed_rows, random_kv_layers
 from tests.utils import interpreted_case, interpreter_fixture, run_case
 
 # name -> (requests, max nodes incl. root, max depth, seed)
@@ -59,6 +60,7 @@ def _num_sampled_and_rejected(num_sampled, seq_lens, cu_num_logits, idx, prefill
 
 
 def _run(num_reqs: int, max_nodes: int, max_depth: int, seed: int) -> dict:
+    from vllm_ddtree.v1.ops.triton_kv_commit import SlotRowsCommit
     from vllm_ddtree.v1.spec_decode.tree import walk_trees
     from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree import rejection_sampler
     from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler import (
@@ -132,7 +134,12 @@ def _run(num_reqs: int, max_nodes: int, max_depth: int, seed: int) -> dict:
     linear = torch.arange(num_logits + 2)
     positions = linear.clone()
     positions[staged.node_tokens] = staged.root_index[staged.node_rows] + 1
-    sampler.step = TreeWalkInput(parents, staged, max_depth, positions)
+    # The walk's launch also commits the accepted paths' KV.
+    g = torch.Generator().manual_seed(seed)
+    slots, layers = random_kv_layers(num_logits + 2, g)
+    kv_rows = [rows.clone() for rows in layers]
+    kv_commit = (SlotRowsCommit.for_rows(kv_rows), slots)
+    sampler.step = TreeWalkInput(parents, staged, max_depth, positions, kv_commit)
     out = sampler(logits, batch)
     path_first = sampler.last_walk.path_first
 
@@ -151,7 +158,13 @@ def _run(num_reqs: int, max_nodes: int, max_depth: int, seed: int) -> dict:
         rest = [n for n in range(int(counts[r])) if n not in path]
         order += [int(cu[r]) + n for n in path + rest]
     ref_order = path_first_order_torch(staged, ref.path, num_logits + 2)
+    expected_kv = committed_rows(layers, slots, staged.root_index, ref.path)
+    kv_equal = all(
+        torch.equal(got, want) for got, want in zip(kv_rows, expected_kv, strict=True)
+    )
     return {
+        "kv_committed": sampler.last_walk.kv_committed and kv_equal,
+        "kv_moved": not torch.equal(expected_kv[0], layers[0]),
         "order_equal": torch.equal(path_first.order, ref_order),
         "positions_restored": torch.equal(positions, linear),
         "sampled_equal": torch.equal(out.sampled_token_ids.long(), expected),
@@ -182,6 +195,8 @@ def test_tree_walk_sampler_matches_the_torch_walk(interp_results, name):
     assert rec["logprob_rows_equal"], rec
     # The walk's launch also put the paths first, as the torch order does.
     assert rec["order_equal"] and rec["positions_restored"], rec
+    # ... and moved the accepted paths' KV in every layer.
+    assert rec["kv_committed"] and rec["kv_moved"], rec
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

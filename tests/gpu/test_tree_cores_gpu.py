@@ -21,7 +21,11 @@ from tests.test_triton_tree_cores import (
     random_topk,
 )
 from tests.test_triton_verify_step import CASES as VERIFY_STEP_CASES
-from tests.test_triton_verify_step import UNIFORM_CASES, compare_uniform
+from tests.test_triton_verify_step import (
+    UNIFORM_CASES,
+    committed_rows,
+    compare_uniform,
+)
 from tests.test_triton_verify_step import compare as compare_verify_step
 from vllm_ddtree.v1.attention.backends.tree_attn import pack_ancestor_mask
 from vllm_ddtree.v1.spec_decode.tree import ancestor_mask, build_trees, walk_trees
@@ -72,6 +76,49 @@ def test_walk_and_mask_on_gpu(name):
         parents, num_nodes, starts, sum(counts), max_depth
     )
     assert torch.equal(got_mask, want)
+
+
+@pytest.mark.parametrize("name", ["batch-64", "batch-64-b256"])
+# One block of columns, and two (rows wider than the commit's 4096-column
+# block).
+@pytest.mark.parametrize("row_width", [2048, 4096 + 24])
+def test_walk_commits_kv_on_gpu(name, row_width):
+    """The V2 walk's launch with the KV commit: every layer's accepted paths
+    moved as the commit's definition says, the walk itself unchanged."""
+    from vllm_ddtree.v1.ops.triton_kv_commit import SlotRowsCommit
+    from vllm_ddtree.v1.ops.triton_tree_cores import (
+        PathFirstOrder,
+        walk_trees_triton,
+    )
+
+    num_reqs, width, max_depth, seed = WALK_CASES[name]
+    batch = [t.cuda() for t in random_batch(num_reqs, width, max_depth, seed)]
+    tokens, parents, num_nodes, target = batch
+    ref = walk_trees(tokens, parents, num_nodes, target, max_depth)
+    num_tokens = num_reqs * width
+    roots = torch.arange(0, num_tokens, width, device="cuda")
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(num_tokens + 7, generator=g)[:num_tokens]
+    layers = [
+        torch.randn(num_tokens + 7, row_width, generator=g).to(torch.bfloat16)
+        for _ in range(3)
+    ]
+    expected = committed_rows(layers, slots, roots, ref.path)
+    got_layers = [rows.cuda() for rows in layers]
+    got = walk_trees_triton(
+        tokens,
+        parents,
+        num_nodes,
+        target,
+        max_depth,
+        path_first=PathFirstOrder(roots, torch.arange(num_tokens, device="cuda"), None),
+        kv_commit=(SlotRowsCommit.for_rows(got_layers), slots.cuda()),
+    )
+    assert torch.equal(got.path, ref.path)
+    assert torch.equal(got.bonus, ref.bonus)
+    assert not torch.equal(expected[0], layers[0])
+    for got_rows, want in zip(got_layers, expected, strict=True):
+        assert torch.equal(got_rows.cpu(), want)
 
 
 @pytest.mark.parametrize("name", list(GPU_BUILD_CASES))

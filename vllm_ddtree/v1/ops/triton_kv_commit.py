@@ -7,8 +7,10 @@ slots looked up in the step's slot mapping inside the kernel. Done per
 layer, that is a gather and a scatter for each of the (e.g. 36) layers, every
 step. Here the layers' slot-row views (a slot's keys and values side by side,
 vLLM's FlashAttention NHD cache) are addressed through a table of base
-pointers and one program moves one request's path in one layer (one block of
-columns), depth by depth.
+pointers and one program moves one request's path in one layer, depth by
+depth. The moves are a device function, :func:`move_path_rows`, so that the
+V2 runner's walk can make them in its own launch (``walk_trees_triton``'s
+``kv_commit``): the walk's programs then run per request and layer.
 
 Only the path moves: the rejected nodes' slots lie past the committed
 tokens, and the next step writes its own tokens' KV there before anything
@@ -27,33 +29,69 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["stride_path", "max_depth"])
-def _commit_path_rows_kernel(
-    LAYER_ROWS,  # [L] int64: base address of each layer's [slots, width] rows
-    ANY_ROWS,  # one layer's rows: their element type
+@triton.jit
+def layer_rows_at(LAYER_ROWS, ANY_ROWS, layer):
+    """Layer ``layer``'s slot rows, from the table of base addresses."""
+    return tl.load(LAYER_ROWS + layer).to(tl.pointer_type(ANY_ROWS.dtype.element_ty))
+
+
+@triton.jit
+def move_path_rows(
+    rows,  # one layer's [slots, width] rows
     SLOT_MAPPING,  # [tokens]: each batch token's cache slot
-    ROOT,  # [R]: batch token of each request's root
-    PATH,  # [R, max_depth + 1]: the walk's accepted nodes, -1 after them
-    stride_path,
+    root,  # batch token of the request's root
+    path,  # [DP]: the request's accepted nodes by depth, -1 after them
+    steps,  # [DP]: 0, 1, ...
     max_depth,
     width,
     row_stride,
     BLOCK: tl.constexpr,
 ):
-    r = tl.program_id(0).to(tl.int64)
-    layer = tl.program_id(1).to(tl.int64)
-    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-    in_row = cols < width
-    rows = tl.load(LAYER_ROWS + layer).to(tl.pointer_type(ANY_ROWS.dtype.element_ty))
-    root = tl.load(ROOT + r)
+    """Move one request's accepted path in one layer: the node at depth
+    ``d`` (batch token ``root + path[d]``) to the slot of batch token
+    ``root + d``, depth by depth (see the module docstring for why in
+    place)."""
     for d in range(1, max_depth + 1):
-        node = tl.load(PATH + r * stride_path + d)
+        node = tl.sum(tl.where(steps == d, path, 0), axis=0)
         # Past the path (-1) or already in place: nothing moves.
         if node > d:
             src = tl.load(SLOT_MAPPING + root + node).to(tl.int64)
             dst = tl.load(SLOT_MAPPING + root + d).to(tl.int64)
-            row = tl.load(rows + src * row_stride + cols, mask=in_row)
-            tl.store(rows + dst * row_stride + cols, row, mask=in_row)
+            for start in range(0, width, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                in_row = cols < width
+                row = tl.load(rows + src * row_stride + cols, mask=in_row)
+                tl.store(rows + dst * row_stride + cols, row, mask=in_row)
+
+
+@triton.jit(do_not_specialize=["stride_path", "max_depth"])
+def _commit_path_rows_kernel(
+    LAYER_ROWS,  # [L] int64: base address of each layer's [slots, width] rows
+    ANY_ROWS,  # one layer's rows: their element type
+    SLOT_MAPPING,  # [tokens]: each batch token's cache slot
+    width,
+    row_stride,
+    ROOT,  # [R]: batch token of each request's root
+    PATH,  # [R, max_depth + 1]: the walk's accepted nodes, -1 after them
+    stride_path,
+    max_depth,
+    DP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    steps = tl.arange(0, DP)
+    path = tl.load(PATH + r * stride_path + steps, mask=steps <= max_depth, other=-1)
+    move_path_rows(
+        layer_rows_at(LAYER_ROWS, ANY_ROWS, tl.program_id(1)),
+        SLOT_MAPPING,
+        tl.load(ROOT + r),
+        path,
+        steps,
+        max_depth,
+        width,
+        row_stride,
+        BLOCK,
+    )
 
 
 def address_table(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -89,6 +127,22 @@ class SlotRowsCommit:
         self.row_stride = first.stride(0)
         self.block = min(triton.next_power_of_2(self.width), 4096)
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_rows)
+
+    def kernel_args(self, slot_mapping: torch.Tensor) -> tuple:
+        """The commit's arguments of a kernel that moves the paths
+        (:func:`move_path_rows`): the address table, the rows' element
+        type, ``slot_mapping``, the row width and stride."""
+        return (
+            self.table,
+            self.layer_rows[0],
+            slot_mapping,
+            self.width,
+            self.row_stride,
+        )
+
     def __call__(
         self, slot_mapping: torch.Tensor, roots: torch.Tensor, path: torch.Tensor
     ) -> None:
@@ -99,16 +153,12 @@ class SlotRowsCommit:
         num_reqs, depth_slots = path.shape
         if num_reqs == 0:
             return
-        grid = (num_reqs, len(self.layer_rows), triton.cdiv(self.width, self.block))
-        _commit_path_rows_kernel[grid](
-            self.table,
-            self.layer_rows[0],
-            slot_mapping,
+        _commit_path_rows_kernel[(num_reqs, self.num_layers)](
+            *self.kernel_args(slot_mapping),
             roots,
             path,
             path.stride(0),
             depth_slots - 1,
-            self.width,
-            self.row_stride,
+            DP=triton.next_power_of_2(depth_slots),
             BLOCK=self.block,
         )

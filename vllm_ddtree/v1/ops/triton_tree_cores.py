@@ -20,6 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.v1.ops.triton_kv_commit import (
+    SlotRowsCommit,
+    layer_rows_at,
+    move_path_rows,
+)
 from vllm_ddtree.v1.spec_decode.tree import DraftTrees, WalkResult
 
 # Arguments that change from step to step are not specialised on (Triton
@@ -83,6 +88,11 @@ def _walk_kernel(
     ROOT,  # the path-first order's inputs and outputs (PATH_FIRST) ...
     ORDER,
     POSITIONS,  # ... (see _path_first_row)
+    LAYER_ROWS,  # the accepted paths' KV commit (KV_COMMIT) ...
+    ANY_ROWS,
+    SLOT_MAPPING,
+    commit_width,
+    row_stride,  # ... (see SlotRowsCommit.kernel_args)
     stride_tok,
     stride_par,
     stride_tgt,
@@ -95,8 +105,13 @@ def _walk_kernel(
     GATHER: tl.constexpr,
     PATH_FIRST: tl.constexpr,
     RESTORE: tl.constexpr,
+    KV_COMMIT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
+    # With KV_COMMIT, program (r, layer) walks request r's tree and moves
+    # its path in that layer; the first layer's program writes the walk.
     r = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1)
     idx = tl.arange(0, NP)
     n = tl.load(NUM_NODES + r).to(tl.int32)
     valid = idx < n
@@ -123,30 +138,43 @@ def _walk_kernel(
         cur = tl.where(found, nxt, cur)
         path = tl.where(steps == step, tl.where(found, nxt, -1), path)
         done = tl.where(found, done, 1)
-    accepted = tl.sum(((steps > 0) & (path >= 0)).to(tl.int32), axis=0)
-    bonus = tl.sum(tl.where(idx == cur, tgt, 0), axis=0)
-    tl.store(PATH + r * stride_path + steps, path, mask=steps <= max_depth)
-    tl.store(NUM_ACCEPTED + r, accepted)
-    tl.store(BONUS + r, bonus)
-    if WRITE_OUT:
-        # vLLM's sampler row: the accepted drafted tokens, then the bonus.
-        on_step = idx[None, :] == path[:, None]
-        path_tok = tl.sum(tl.where(on_step, tok[None, :], 0), axis=1)
-        keep = (steps > 0) & (steps <= accepted)
-        row = OUT + r * stride_out
-        tl.store(row + steps - 1, path_tok, mask=keep)
-        tl.store(row + accepted, bonus)
-    if PATH_FIRST:
-        _path_first_row(
+    if KV_COMMIT:
+        move_path_rows(
+            layer_rows_at(LAYER_ROWS, ANY_ROWS, layer),
+            SLOT_MAPPING,
+            tl.load(ROOT + r),
             path,
             steps,
-            idx,
-            n,
-            tl.load(ROOT + r),
-            ORDER,
-            POSITIONS,
-            RESTORE,
+            max_depth,
+            commit_width,
+            row_stride,
+            BLOCK,
         )
+    if layer == 0:
+        accepted = tl.sum(((steps > 0) & (path >= 0)).to(tl.int32), axis=0)
+        bonus = tl.sum(tl.where(idx == cur, tgt, 0), axis=0)
+        tl.store(PATH + r * stride_path + steps, path, mask=steps <= max_depth)
+        tl.store(NUM_ACCEPTED + r, accepted)
+        tl.store(BONUS + r, bonus)
+        if WRITE_OUT:
+            # vLLM's sampler row: the accepted drafted tokens, then the bonus.
+            on_step = idx[None, :] == path[:, None]
+            path_tok = tl.sum(tl.where(on_step, tok[None, :], 0), axis=1)
+            keep = (steps > 0) & (steps <= accepted)
+            row = OUT + r * stride_out
+            tl.store(row + steps - 1, path_tok, mask=keep)
+            tl.store(row + accepted, bonus)
+        if PATH_FIRST:
+            _path_first_row(
+                path,
+                steps,
+                idx,
+                n,
+                tl.load(ROOT + r),
+                ORDER,
+                POSITIONS,
+                RESTORE,
+            )
 
 
 def aligned_planes(
@@ -200,6 +228,7 @@ def walk_trees_triton(
     token_rows: torch.Tensor | None = None,
     target_rows: torch.Tensor | None = None,
     path_first: PathFirstOrder | None = None,
+    kv_commit: tuple[SlotRowsCommit, torch.Tensor] | None = None,
 ) -> WalkResult:
     """:func:`~vllm_ddtree.v1.spec_decode.tree.walk_trees` in one launch.
 
@@ -215,7 +244,13 @@ def walk_trees_triton(
     no gathered copies.
 
     With ``path_first`` the same launch also writes the path-first order
-    of the walked paths there (see :class:`PathFirstOrder`).
+    of the walked paths there (see :class:`PathFirstOrder`), and with
+    ``kv_commit`` (a group's commit and the step's slot mapping; needs
+    ``path_first``, whose roots it uses) it also moves the accepted paths'
+    KV in every layer of the group, as that commit would after the walk:
+    the grid is then requests x layers, each program walking its request's
+    tree (a few hundred register operations) and moving its path in its
+    layer, the first layer's programs writing the walk.
     """
     gather = token_rows is not None
     num_reqs, n = (token_rows if gather else node_tokens).shape
@@ -223,10 +258,20 @@ def walk_trees_triton(
     path = torch.empty(num_reqs, max_depth + 1, dtype=torch.long, device=device)
     num_accepted = torch.empty(num_reqs, dtype=torch.long, device=device)
     bonus = torch.empty(num_reqs, dtype=target_tokens.dtype, device=device)
+    if kv_commit is not None:
+        assert path_first is not None, "the walk's KV commit needs the roots"
+        commit, slot_mapping = kv_commit
+        commit_args, num_layers, block = (
+            commit.kernel_args(slot_mapping),
+            commit.num_layers,
+            commit.block,
+        )
+    else:
+        commit_args, num_layers, block = (path, path, path, 0, 0), 1, 1
     if num_reqs:
         tok_map = token_rows if gather else node_tokens
         tgt_map = target_rows if gather else target_tokens
-        _walk_kernel[(num_reqs,)](
+        _walk_kernel[(num_reqs, num_layers)](
             node_tokens,
             parents,
             num_nodes,
@@ -238,6 +283,7 @@ def walk_trees_triton(
             bonus,
             out if out is not None else path,
             *(path_first.kernel_args() if path_first else (path,) * 3),
+            *commit_args,
             tok_map.stride(0),
             parents.stride(0),
             tgt_map.stride(0),
@@ -250,6 +296,8 @@ def walk_trees_triton(
             GATHER=gather,
             PATH_FIRST=path_first is not None,
             RESTORE=path_first is not None and path_first.positions is not None,
+            KV_COMMIT=kv_commit is not None,
+            BLOCK=block,
         )
     return WalkResult(path=path, num_accepted=num_accepted, bonus=bonus)
 
@@ -645,6 +693,7 @@ def compile_variants(
     force_spine: bool,
     out_dtype: torch.dtype,
     v2_runner: bool,
+    kv_commit: tuple[SlotRowsCommit, torch.Tensor] | None = None,
 ) -> list[tuple[int, int]]:
     """Launch every variant of the kernels that an engine with this budget
     can use (the build; the walk, the masks and the runner's lay-out and
@@ -655,8 +704,9 @@ def compile_variants(
     than mid-serving. Inputs are dummies with the dtypes of the real calls;
     ``out_dtype`` is that of the sampler-output rows the walk writes (Triton
     compiles a kernel per pointer dtype), ``v2_runner`` whose lay-out and
-    path-first order to compile (see ``warm_up_verify_step``). Returns the walk's (node
-    tile, depth tile) variants."""
+    path-first order to compile (see ``warm_up_verify_step``), ``kv_commit``
+    the V2 runner's walk's (whose moves are made on all-zero slots here).
+    Returns the walk's (node tile, depth tile) variants."""
     # Imported here: that module builds on this one's tiles.
     from vllm_ddtree.v1.ops.triton_verify_step import warm_up_verify_step
 
@@ -667,6 +717,10 @@ def compile_variants(
         budget,
         force_spine,
     )
+    on_zero_slots = None
+    if kv_commit is not None:
+        commit, slot_mapping = kv_commit
+        on_zero_slots = (commit, slot_mapping.new_zeros(budget + 1))
     walks = {
         (_nodes_tile(w), _depth_tile(d)): (w, d)
         for w in range(1, budget + 2)
@@ -686,6 +740,7 @@ def compile_variants(
             torch.zeros(1, width + 1, dtype=out_dtype, device=device),
             rows,
             rows,
+            kv_commit=on_zero_slots,
         )
         warm_up_verify_step(walk, width, budget, v2_runner, device)
     widths = {_nodes_tile(w): w for w in range(1, budget + 2)}

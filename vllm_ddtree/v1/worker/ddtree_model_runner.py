@@ -605,17 +605,18 @@ def warm_up_tree_kernels(
     block_table_for: Callable[[int], torch.Tensor],
     sampled_dtype: torch.dtype,
     v2_runner: bool,
+    walk_kv_commit: tuple[Any, torch.Tensor] | None = None,
 ) -> None:
     """Compile the Triton kernels of a DDTree step at start-up (the V1 and V2
     GPU runners): the tree cores (the walk writing rows of the runner's
     ``sampled_dtype``; the lay-out and the path-first order as the V1 or the
-    V2 runner, ``v2_runner``, calls them), the drafter's top-k normaliser,
-    the tree attention once
-    per distinct layer geometry (``block_table_for(gid)``: a one-request
-    block table of KV-cache group ``gid``), the KV commit and, for hybrid
-    targets, the tree GDN ops and the recurrent-state commit. Otherwise each
-    variant compiles (about a second) the first time a tree size needs it, in
-    the middle of serving."""
+    V2 runner, ``v2_runner``, calls them, and the V2 walk with its KV
+    commit, ``walk_kv_commit``, if it has one), the drafter's top-k
+    normaliser, the tree attention once per distinct layer geometry
+    (``block_table_for(gid)``: a one-request block table of KV-cache group
+    ``gid``), the KV commit and, for hybrid targets, the tree GDN ops and
+    the recurrent-state commit. Otherwise each variant compiles (about a
+    second) the first time a tree size needs it, in the middle of serving."""
     # Imported here: the CPU runner shares this module and needs neither.
     from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
         FlashTreeAttentionImpl,
@@ -633,6 +634,7 @@ def warm_up_tree_kernels(
         cfg.force_spine,
         sampled_dtype,
         v2_runner,
+        walk_kv_commit,
     )
     # The drafter's top-k of its logits (the target's dtype and vocabulary).
     vocab = runner.model_config.get_vocab_size()

@@ -21,14 +21,16 @@ parts are in ``v1/worker/verify_plan.py``):
    with V2's sampler and walks the trees; the walk's launch also puts the
    linear positions back and says where each node goes with its path first.
 5. ``sample``: the accepted path's KV is copied into consecutive slots of
-   every target attention layer, and the speculator is told to read the
-   accepted path's hidden states first.
+   every target attention layer (by the walk's launch where the layers
+   form one group), and the speculator is told to read the accepted path's
+   hidden states first.
 6. V2 advances each request by its path and runs the speculator, which
    drafts ``max_depth`` positions and builds the next trees.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import numpy as np
@@ -44,6 +46,7 @@ from vllm_ddtree.v1.attention.backends.tree_attn import (
     publish_tree,
     uniform_tree_buffers,
 )
+from vllm_ddtree.v1.ops.triton_kv_commit import SlotRowsCommit
 from vllm_ddtree.v1.worker.ddtree_model_runner import (
     DDTreeModelRunnerMixin,
     patched_attribute,
@@ -160,7 +163,11 @@ class DDTreeV2ModelRunner(GPUModelRunner):
             uniform,
         )
         self.rejection_sampler.step = TreeWalkInput(
-            parents[:num_reqs], layout, max_depth, self.input_buffers.positions
+            parents[:num_reqs],
+            layout,
+            max_depth,
+            self.input_buffers.positions,
+            self._walk_kv_commit,
         )
         ctx_len = (
             input_batch.seq_lens_cpu_upper_bound[:num_reqs].numpy().astype(np.int64)
@@ -201,18 +208,38 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         return result
 
     def _commit_path(self, walked: WalkedTrees) -> None:
-        """Move the accepted paths' KV to consecutive slots and hand the
-        speculator the path-first order of the batch's (padded) tokens
-        (written by the walk's launch, which also put the linear positions
-        back). Runs before the speculator: it writes its own query slots
-        into the same slot-mapping buffer the compaction reads."""
-        compact_kv(
-            self._kv_commit_plan(),
-            lambda gid: self.block_tables.slot_mappings[gid],
-            walked.path_first.root,
-            walked.walk.path,
-        )
+        """Move the accepted paths' KV to consecutive slots, unless the
+        walk's launch did, and hand the speculator the path-first order of
+        the batch's (padded) tokens (written by the walk's launch, which
+        also put the linear positions back). Runs before the speculator: it
+        writes its own query slots into the same slot-mapping buffer the
+        compaction reads."""
+        if not walked.kv_committed:
+            compact_kv(
+                self._kv_commit_plan(),
+                self._slot_mapping,
+                walked.path_first.root,
+                walked.walk.path,
+            )
         self.speculator.set_accepted_order(walked.path_first.order)
+
+    def _slot_mapping(self, gid: int) -> torch.Tensor:
+        """The current step's slot of every batch token in KV-cache group
+        ``gid`` (V2's persistent buffer)."""
+        return self.block_tables.slot_mappings[gid]
+
+    @functools.cached_property
+    def _walk_kv_commit(self) -> tuple[SlotRowsCommit, torch.Tensor] | None:
+        """The KV commit the walk's launch makes (a launch a step less):
+        when the target's attention layers form one KV-cache group with a
+        one-launch commit (FlashAttention's NHD caches on a GPU), that
+        commit and the group's slot-mapping buffer; else ``None``, and
+        :meth:`_commit_path` commits after the walk."""
+        plan = self._kv_commit_plan()
+        if len(plan) != 1:
+            return None
+        ((gid, (_, commit)),) = plan.items()
+        return None if commit is None else (commit, self._slot_mapping(gid))
 
     def _kv_commit_plan(self) -> KVCommitPlan:
         if self._kv_commits is None:
@@ -231,6 +258,7 @@ class DDTreeV2ModelRunner(GPUModelRunner):
             lambda gid: self.block_tables.input_block_tables[gid][:1],
             SAMPLED_TOKEN_DTYPE,
             v2_runner=True,
+            walk_kv_commit=self._walk_kv_commit,
         )
 
     # The same sizes decide whether V2 captures, and schedules, a full batch

@@ -28,6 +28,7 @@ from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 
+from vllm_ddtree.v1.ops.triton_kv_commit import SlotRowsCommit
 from vllm_ddtree.v1.ops.triton_tree_cores import PathFirstOrder, walk_trees_triton
 from vllm_ddtree.v1.ops.triton_verify_step import path_first_targets
 from vllm_ddtree.v1.sample.tree_rejection_sampler import VerifyRows
@@ -42,23 +43,28 @@ SAMPLED_TOKEN_DTYPE = torch.int64
 class TreeWalkInput:
     """The trees of the current verify batch, published by the runner:
     ``parents [num_reqs, W]`` (root column and padding ``-1``), the batch
-    layout, the bound on every node's depth, and the position buffer whose
-    depth positions the walk's launch turns back into linear ones."""
+    layout, the bound on every node's depth, the position buffer whose
+    depth positions the walk's launch turns back into linear ones and,
+    where the runner has one, the accepted paths' KV commit for the walk's
+    launch to make (see :func:`walk_trees_triton`)."""
 
     parents: torch.Tensor
     layout: StagedLayout
     max_depth: int
     positions: torch.Tensor
+    kv_commit: tuple[SlotRowsCommit, torch.Tensor] | None = None
 
 
 @dataclass
 class WalkedTrees:
     """A verify step's walk and, written by the same launch, the token order
     that puts each accepted path first (the drafter reads the target's
-    hidden states in it)."""
+    hidden states in it); ``kv_committed``: the launch also moved the
+    accepted paths' KV."""
 
     walk: WalkResult
     path_first: PathFirstOrder
+    kv_committed: bool
 
 
 class TreeWalkSampler(RejectionSampler):
@@ -117,8 +123,9 @@ class TreeWalkSampler(RejectionSampler):
             token_rows=layout.logit_rows,
             target_rows=layout.logit_rows,
             path_first=path_first,
+            kv_commit=step.kv_commit,
         )
-        self.last_walk = WalkedTrees(walk, path_first)
+        self.last_walk = WalkedTrees(walk, path_first, step.kv_commit is not None)
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             (walk.num_accepted + 1).to(torch.int32),
             input_batch.seq_lens,
