@@ -420,7 +420,7 @@ profile-pair)
   profile_pair
   ;;
 train)
-  train_pair 8 560
+  train_pair "${TRAIN_MINUTES:-8}" $((${TRAIN_MINUTES:-8} * 60 + 80))
   ;;
 train-e2e)
   # The pair lives in /tmp: a machine lost between calls takes it along

@@ -160,7 +160,9 @@ def test_commit_moves_the_accepted_path_and_restores_positions():
     positions = runner.input_buffers.positions
     order = path_first_order(plan.layout, path, len(case.linear) + 2, positions)
     path_first = PathFirstOrder(plan.layout.root_index, order, positions)
-    runner._commit_path(WalkedTrees(walk, path_first))
+    # A CPU runner's walk does not commit (see the next test).
+    assert runner.rejection_sampler.step.kv_commit is None
+    runner._commit_path(WalkedTrees(walk, path_first, kv_committed=False))
 
     kv = case.cache.tolist()
     # Row 0: node 2's KV (slot 102) in the slot after its root (101); the
@@ -174,6 +176,40 @@ def test_commit_moves_the_accepted_path_and_restores_positions():
     order = runner.speculator.order.tolist()
     assert order[:5] == [0, 2, 1, 3, 4]
     assert order[5:] == list(range(5, len(case.linear) + 2))
+
+
+def test_walk_commits_kv_only_for_one_group_with_a_one_launch_commit():
+    """The walk's launch takes the KV commit when the target's attention
+    layers are one KV-cache group with a one-launch commit, with that
+    group's slot mapping; otherwise the runner commits after the walk, and
+    a walk that committed is not committed again."""
+    commit = object()
+
+    def walk_commit(plan):
+        runner, _ = _runner()
+        runner._kv_commits = plan
+        # Two KV-cache groups' slot mappings.
+        runner.block_tables.slot_mappings = torch.arange(64).view(2, 32)
+        return runner._walk_kv_commit
+
+    layer = [(None, None)]
+    got_commit, slots = walk_commit({1: (layer, commit)})
+    assert got_commit is commit
+    assert slots.tolist() == list(range(32, 64))
+    assert walk_commit({0: (layer, None)}) is None
+    assert walk_commit({0: (layer, commit), 1: (layer, commit)}) is None
+
+    runner, case = _runner()
+    plan = runner._plan_verify(case.batch)
+    path = torch.full((3, 16), -1, dtype=torch.long)
+    path[:, 0] = 0
+    path[0, 1] = 2  # would move slot 102 to 101
+    walk = WalkResult(path, torch.tensor([1, 0, 0]), torch.zeros(3, dtype=torch.long))
+    order = torch.arange(len(case.linear) + 2)
+    path_first = PathFirstOrder(plan.layout.root_index, order, None)
+    runner._commit_path(WalkedTrees(walk, path_first, kv_committed=True))
+    assert case.cache.tolist() == list(range(200))
+    assert runner.speculator.order is order
 
 
 def test_target_step_skips_drafter_only_attention_groups():
