@@ -54,9 +54,11 @@ import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# The repository's root, for ``benchmarks.bench_e2e`` when run as a script.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # (owner attribute path from the engine core, method names) timed per step.
@@ -116,6 +118,12 @@ FUNCTIONS: tuple[str, ...] = (
     "vllm.v1.worker.gpu.sample.sampler:Sampler.sample",
     "vllm.v1.worker.gpu.spec_decode.dflash.speculator:DFlashSpeculator.propose",
     "vllm.v1.attention.backends.flash_attn:FlashAttentionMetadataBuilder.build",
+    # Attention, where it runs outside a full CUDA graph (mixed batches):
+    # the tree layers' whole forward and their tree pass, and FlashAttention.
+    "vllm_ddtree.v1.attention.backends.tree_attn:TreeAttentionImplMixin.forward",
+    "vllm_ddtree.v1.attention.backends.flash_tree_attn:"
+    "FlashTreeAttentionImpl._tree_forward",
+    "vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward",
 )
 
 
@@ -276,23 +284,56 @@ def wall_stacks(run: Any, interval_s: float = 2e-4, depth: int = 6) -> str:
     return "\n".join(lines) + "\n"
 
 
-def count_steps(llm: Any, run: Any) -> list[float]:
-    """Start times (``perf_counter``) of the engine steps (the scheduler's
-    calls) during ``run()``."""
+class Step(NamedTuple):
+    """One engine step: when the scheduler was called, and whether the step
+    scheduled a new request (a prefill beside the decodes: a mixed batch,
+    which vLLM cannot replay as a full CUDA graph)."""
+
+    start: float
+    mixed: bool
+
+
+def count_steps(llm: Any, run: Any) -> list[Step]:
+    """The engine steps (the scheduler's calls) during ``run()``."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     schedule = scheduler.schedule
-    starts: list[float] = []
+    steps: list[Step] = []
 
     def counted(*args, **kwargs):
-        starts.append(time.perf_counter())
-        return schedule(*args, **kwargs)
+        start = time.perf_counter()
+        output = schedule(*args, **kwargs)
+        steps.append(Step(start, bool(output.scheduled_new_reqs)))
+        return output
 
     scheduler.schedule = counted
     try:
         run()
     finally:
         del scheduler.schedule
-    return starts
+    return steps
+
+
+def step_times(steps: list[Step]) -> dict[str, float]:
+    """Median milliseconds from a step's start to the next one's, over all
+    steps and over the mixed and the decode-only ones apart, and the share
+    of mixed steps. Medians leave out ``generate()``'s fixed costs (request
+    intake, output assembly), which ``ms_per_step`` spreads over the
+    steps (most visible for a short decode of few long steps, DDTree at
+    batch 1). Under async scheduling a step's host work overlaps the
+    previous step's device work, so the split is by where the host spent
+    the gap."""
+    gaps = [(b.start - a.start, a.mixed) for a, b in itertools.pairwise(steps)]
+
+    def median_ms(kind: bool | None) -> float | None:
+        chosen = [gap for gap, mixed in gaps if kind is None or mixed == kind]
+        return 1e3 * statistics.median(chosen) if chosen else None
+
+    return {
+        "median_step_ms": median_ms(None),
+        "median_mixed_step_ms": median_ms(True),
+        "median_decode_step_ms": median_ms(False),
+        "mixed_step_share": sum(mixed for _, mixed in gaps) / max(len(gaps), 1),
+    }
 
 
 def main() -> None:
@@ -337,6 +378,14 @@ def main() -> None:
         help="seconds a decode may take before every thread's stack is "
         "printed and the run ends (a hung step names itself)",
     )
+    ap.add_argument(
+        "--steady-requests",
+        type=int,
+        default=0,
+        help="keep --batch requests in flight, a new one entering as one "
+        "finishes, until this many were submitted (prefills mixed into the "
+        "decode steps, as a server sees them); 0: one wave of --batch",
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     prompt_ids = None
@@ -355,6 +404,8 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from benchmarks.bench_e2e import run_steady
 
     spec = None
     if args.method == "ddtree":
@@ -390,27 +441,31 @@ def main() -> None:
         prompt_ids = [
             [(7 * i + 13 * r) % 1000 + 5 for i in length] for r in range(args.batch)
         ]
-    prompts = [
-        TokensPrompt(
-            prompt_token_ids=prompt_ids[r % len(prompt_ids)][-args.prompt_len :]
-        )
-        for r in range(args.batch)
-    ]
-    params = [
-        SamplingParams(
+
+    def request(k: int) -> tuple[TokensPrompt, SamplingParams]:
+        return TokensPrompt(
+            prompt_token_ids=prompt_ids[k % len(prompt_ids)][-args.prompt_len :]
+        ), SamplingParams(
             temperature=args.temperature,
-            seed=r if args.temperature > 0 else None,
+            seed=k if args.temperature > 0 else None,
             max_tokens=args.max_tokens,
             ignore_eos=True,
         )
-        for r in range(args.batch)
-    ]
+
+    num_requests = args.steady_requests or args.batch
+
+    def enough(submitted: int) -> bool:
+        return submitted >= num_requests
 
     def decode() -> None:
         # The engine runs in this process: on a hang, the stacks show where.
         faulthandler.dump_traceback_later(args.decode_timeout, exit=True)
         try:
-            llm.generate(prompts, params, use_tqdm=False)
+            if args.steady_requests:
+                run_steady(llm, request, args.batch, enough)
+            else:
+                prompts, params = zip(*map(request, range(args.batch)), strict=True)
+                llm.generate(list(prompts), list(params), use_tqdm=False)
         finally:
             faulthandler.cancel_dump_traceback_later()
 
@@ -420,9 +475,9 @@ def main() -> None:
         torch.cuda.synchronize()
     start = time.perf_counter()
     pauses: dict[str, float] = {}
-    starts = count_steps(llm, lambda: pauses.update(gc_pauses(decode)))
+    counted = count_steps(llm, lambda: pauses.update(gc_pauses(decode)))
     seconds = time.perf_counter() - start
-    steps = len(starts)
+    steps = len(counted)
     summary = {
         "method": args.method,
         "budget": args.budget,
@@ -431,15 +486,11 @@ def main() -> None:
         "runner": args.runner,
         "async_scheduling": args.async_scheduling,
         "steps": steps,
-        "tokens_per_step": args.batch * args.max_tokens / steps,
+        "steady_requests": args.steady_requests,
+        "tokens_per_step": num_requests * args.max_tokens / steps,
         "seconds": seconds,
         "ms_per_step": 1e3 * seconds / steps,
-        # ms_per_step spreads generate()'s fixed costs (request intake, the
-        # prefill step, output assembly) over the steps: a short decode of
-        # few long steps (DDTree at batch 1) shows them most. The median gap
-        # between step starts is the decode step alone.
-        "median_step_ms": 1e3
-        * statistics.median(b - a for a, b in itertools.pairwise(starts)),
+        **step_times(counted),
         "gc_ms_per_step": sum(v for k, v in pauses.items() if k.endswith("_ms"))
         / steps,
         "gc": pauses,

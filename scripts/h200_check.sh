@@ -46,11 +46,14 @@
 #                                          # default 64; PROFILE_TAG names the run's
 #                                          # logs and results; PROFILE_CAPTURE: vLLM's largest
 #                                          # CUDA graph, for batches of more than 512
-#                                          # tokens; PROFILE_TEMPERATURE); trains a
+#                                          # tokens; PROFILE_TEMPERATURE; PROFILE_STEADY=N:
+#                                          # N requests kept PROFILE_BATCH in flight, the
+#                                          # mixed steps timed apart); trains a
 #                                          # 3-minute pair first if
 #                                          # /tmp/pair-h200 has none (then one profile fits
 #                                          # the call, the rest are skipped: call again), ~6 min
-#   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200 (~9 min)
+#   bash scripts/h200_check.sh train   # the h200 trained pair into /tmp/pair-h200
+#                                      # (TRAIN_MINUTES, default 8; ~9 min)
 #   bash scripts/h200_check.sh train-e2e  # a 3-minute pair (TRAIN_MINUTES), then the
 #                                         # no-spec and DFlash rows on it (~10 min)
 #   bash scripts/h200_check.sh e2e     # + DDTree B=16 and B=64 rows, same table (~8 min)
@@ -174,6 +177,7 @@ profile_pair() {  # the pair's DDTree (V2 runner) and DFlash steps, async, profi
       --pair /tmp/pair-h200 --method "$method" --runner v2 --budget "${PROFILE_BUDGET:-64}" \
       --batch "${PROFILE_BATCH:-1}" --prompt-len 64 --max-tokens 128 --async-scheduling \
       --temperature "${PROFILE_TEMPERATURE:-0}" \
+      ${PROFILE_STEADY:+--steady-requests "$PROFILE_STEADY"} \
       ${PROFILE_CAPTURE:+--max-cudagraph-capture-size "$PROFILE_CAPTURE"} \
       --out "/tmp/prof-pair/$method$tag"
   done

@@ -6,7 +6,13 @@ off again."""
 
 from __future__ import annotations
 
-from benchmarks.profile_ddtree_step import FUNCTIONS, _patch_functions, _unpatch
+from benchmarks.profile_ddtree_step import (
+    FUNCTIONS,
+    Step,
+    _patch_functions,
+    _unpatch,
+    step_times,
+)
 from vllm_ddtree.v1.attention.backends.tree_attn import UniformTreeBuffers
 from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree import rejection_sampler
 
@@ -48,3 +54,15 @@ def test_an_inherited_method_is_timed_on_the_subclass_and_removed(monkeypatch):
     assert "_run_model" in vars(DDTreeSpeculator)
     _unpatch(patched)
     assert "_run_model" not in vars(DDTreeSpeculator)
+
+
+def test_step_times_split_mixed_and_decode_steps():
+    """A step's time runs to the next step's start; mixed steps (a prefill
+    beside the decodes) and decode-only ones get medians of their own."""
+    starts = [0.0, 0.003, 0.010, 0.013, 0.016, 0.024, 0.027]
+    mixed = [False, True, False, False, True, False, False]
+    times = step_times([Step(t, m) for t, m in zip(starts, mixed, strict=True)])
+    assert round(times["median_mixed_step_ms"], 6) == 7.5
+    assert round(times["median_decode_step_ms"], 6) == 3.0
+    assert round(times["median_step_ms"], 6) == 3.0
+    assert times["mixed_step_share"] == 2 / 6
