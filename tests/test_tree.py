@@ -227,6 +227,38 @@ def test_packed_mask_round_trips():
         assert torch.equal(rows.bool(), mask[r, :n])
 
 
+def test_tree_info_packs_masks_from_the_running_node_count():
+    """A published tree's packed masks (the kernel's form) start request
+    ``r``'s rows at the running sum of the node counts before it, which
+    :class:`TreeAttentionInfo` derives from its device tensor, as int32."""
+    from vllm_ddtree.v1.attention.backends.tree_attn import (
+        TreeAttentionInfo,
+        pack_ancestor_mask,
+    )
+
+    sizes = [3, 1, 40, 6]
+    parents = _random_parents(sizes, torch.Generator().manual_seed(2))
+    info = TreeAttentionInfo(
+        req_rows=torch.arange(4, dtype=torch.int32),
+        q_start=torch.zeros(4, dtype=torch.int32),
+        num_nodes=torch.tensor(sizes, dtype=torch.int32),
+        ctx_len=torch.zeros(4, dtype=torch.int32),
+        parents=parents,
+        max_depth=max(sizes),
+        req_rows_cpu=[0, 1, 2, 3],
+        q_start_cpu=[0] * 4,
+        num_nodes_cpu=sizes,
+        ctx_len_cpu=[0] * 4,
+    )
+    packed, starts = info.packed_mask
+    want, want_starts = pack_ancestor_mask(
+        ancestor_mask(parents, torch.tensor(sizes), max(sizes)), sizes
+    )
+    assert starts.dtype == torch.int32 and starts.tolist() == [0, 3, 4, 44]
+    assert torch.equal(starts, want_starts)
+    assert torch.equal(packed, want)
+
+
 def test_gather_tree_layout_rows_prefixes_and_chains():
     """Each verify row gets its proposal row's best-first prefix (root in
     column 0), rows without a built tree a chain, and padding past the

@@ -100,9 +100,12 @@ class TreeAttentionInfo:
         first use, once per step."""
         if self.packed is not None:
             return self.packed
-        counts = np.asarray(self.num_nodes_cpu)
-        starts = torch.from_numpy((np.cumsum(counts) - counts).astype(np.int32))
-        starts = starts.to(self.parents.device, non_blocking=True)
+        # The running sum on the device: the host's, uploaded from pageable
+        # memory, would make the host wait for the GPU's queued work (see
+        # ``v1/worker/host_staging.py``) in every batch that is not uniform
+        # (prefills beside the trees), in the first layer's forward.
+        starts = torch.cumsum(self.num_nodes, 0, dtype=torch.int32)
+        starts -= self.num_nodes
         return self.pack_mask(starts), starts
 
     def pack_mask(
