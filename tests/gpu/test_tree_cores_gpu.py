@@ -43,6 +43,13 @@ GPU_BUILD_CASES = {
 }
 
 
+def _walk_case(name: str):
+    """A walk case's batch on the GPU and the torch walk of it."""
+    num_reqs, width, max_depth, seed = WALK_CASES[name]
+    batch = [t.cuda() for t in random_batch(num_reqs, width, max_depth, seed)]
+    return *batch, walk_trees(*batch, max_depth)
+
+
 @pytest.mark.parametrize("name", list(WALK_CASES))
 def test_walk_and_mask_on_gpu(name):
     from vllm_ddtree.v1.ops.triton_tree_cores import (
@@ -51,9 +58,7 @@ def test_walk_and_mask_on_gpu(name):
     )
 
     num_reqs, width, max_depth, seed = WALK_CASES[name]
-    batch = [t.cuda() for t in random_batch(num_reqs, width, max_depth, seed)]
-    tokens, parents, num_nodes, target = batch
-    ref = walk_trees(tokens, parents, num_nodes, target, max_depth)
+    tokens, parents, num_nodes, target, ref = _walk_case(name)
     out = torch.full((num_reqs, width + 1), -7, dtype=torch.int32, device="cuda")
     got = walk_trees_triton(tokens, parents, num_nodes, target, max_depth, out)
     assert torch.equal(got.path, ref.path)
@@ -92,9 +97,7 @@ def test_walk_commits_kv_on_gpu(name, row_width):
     )
 
     num_reqs, width, max_depth, seed = WALK_CASES[name]
-    batch = [t.cuda() for t in random_batch(num_reqs, width, max_depth, seed)]
-    tokens, parents, num_nodes, target = batch
-    ref = walk_trees(tokens, parents, num_nodes, target, max_depth)
+    tokens, parents, num_nodes, target, ref = _walk_case(name)
     num_tokens = num_reqs * width
     roots = torch.arange(0, num_tokens, width, device="cuda")
     g = torch.Generator().manual_seed(seed)
