@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -401,19 +401,61 @@ def tree_sized_requests() -> tuple[list[dict], list[SamplingParams]]:
     return [{"prompt_token_ids": p} for p in prompts], params
 
 
-def fail_on_host_sync(monkeypatch, owner: type, name: str, checked: set[str]) -> None:
+@contextmanager
+def no_pageable_uploads() -> Iterator[None]:
+    """Raise at a host-to-device copy (``.to``, ``.copy_``) from pageable
+    memory: CUDA stages such a copy and may first wait for the stream's
+    queued work, a host wait that torch's sync debug mode does not report
+    (see ``vllm_ddtree/v1/worker/host_staging.py``)."""
+    import torch
+
+    to, copy_ = torch.Tensor.to, torch.Tensor.copy_
+
+    def check(source, target) -> None:
+        if target.is_cuda and source.device.type == "cpu" and not source.is_pinned():
+            raise RuntimeError(
+                f"an upload of {tuple(source.shape)} {source.dtype} from "
+                "pageable memory"
+            )
+
+    def checked_to(self, *args, **kwargs):
+        out = to(self, *args, **kwargs)
+        check(self, out)
+        return out
+
+    def checked_copy(self, src, *args, **kwargs):
+        check(src, self)
+        return copy_(self, src, *args, **kwargs)
+
+    torch.Tensor.to, torch.Tensor.copy_ = checked_to, checked_copy
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.copy_ = to, copy_
+
+
+def fail_on_host_sync(
+    monkeypatch,
+    owner: type,
+    name: str,
+    checked: set[str],
+    pageable_uploads: bool = False,
+) -> None:
     """Run ``owner.name`` under ``torch.cuda.set_sync_debug_mode("error")``,
     which raises at any call that makes the host wait for the GPU
     (``.item()``, ``.cpu()``, a device-to-host copy, a boolean-mask index),
-    and add ``name`` to ``checked`` after every call that returned."""
+    with ``pageable_uploads`` also under :func:`no_pageable_uploads`, and
+    add ``name`` to ``checked`` after every call that returned."""
     import torch
 
     inner = getattr(owner, name)
 
     def wrapped(*args, **kwargs):
+        uploads = no_pageable_uploads() if pageable_uploads else nullcontext()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            result = inner(*args, **kwargs)
+            with uploads:
+                result = inner(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         checked.add(name)

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """DDTree on vLLM's V2 model runner (``ddtree.model_runner: "v2"``): greedy
 output equals V2 no-spec output, eager and with CUDA graphs, at batch 12 and
-1, with fixed budgets and with vLLM's batch-size schedule; a seeded T > 0 run
-equals seeded V2 no-spec token for token.
+1, with fixed budgets and with vLLM's batch-size schedule, and with
+requests entering mid-run (mixed batches); a seeded T > 0 run equals seeded
+V2 no-spec token for token; DDTree's step parts never make the host wait for
+the GPU.
 
 Run on the device machine: ``python -m pytest tests/gpu -q``.
 """
@@ -10,6 +12,7 @@ Run on the device machine: ``python -m pytest tests/gpu -q``.
 from __future__ import annotations
 
 import pytest
+import torch
 from vllm import LLM, SamplingParams
 
 from tests.gpu import test_ddtree_engine_gpu as v1_engine_tests
@@ -20,6 +23,7 @@ from tests.utils import (
     fail_on_host_sync,
     make_llm,
     metric,
+    no_pageable_uploads,
     record_uniform_fills,
     shutdown_llm,
 )
@@ -148,12 +152,8 @@ def test_v2_seeded_samples_equal_v2_no_spec(fixtures, expected):
         shutdown_llm(llm)
 
 
-def test_v2_step_parts_never_wait_for_the_gpu(fixtures, expected, monkeypatch):
-    """V2 never learns a step's results on the host; DDTree's own parts of a
-    step (the verify plan, the walk, the KV commit, drafting and the tree
-    build) must not make it wait for them either: each serving call runs
-    under ``torch.cuda.set_sync_debug_mode("error")``, which raises at any
-    synchronizing call (``.item()``, ``.cpu()``, a boolean-mask index)."""
+def _step_parts():
+    """DDTree's own parts of a V2 step, each a ``(class, method)``."""
     from vllm_ddtree.v1.worker.gpu.model_runner import DDTreeV2ModelRunner
     from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler import (
         TreeWalkSampler,
@@ -162,12 +162,81 @@ def test_v2_step_parts_never_wait_for_the_gpu(fixtures, expected, monkeypatch):
         DDTreeSpeculator,
     )
 
-    parts = (
+    return (
         (DDTreeV2ModelRunner, "_plan_verify"),
         (DDTreeV2ModelRunner, "_commit_path"),
         (TreeWalkSampler, "__call__"),
         (DDTreeSpeculator, "propose"),
     )
+
+
+def test_pageable_uploads_are_caught():
+    """The guard of the test below fires at an upload from pageable memory
+    and lets a pinned one through."""
+    with no_pageable_uploads():
+        torch.arange(3).pin_memory().to("cuda", non_blocking=True)
+        with pytest.raises(RuntimeError, match="pageable"):
+            torch.arange(3).to("cuda")
+        with pytest.raises(RuntimeError, match="pageable"):
+            torch.empty(3, dtype=torch.long, device="cuda").copy_(torch.arange(3))
+
+
+def test_v2_requests_entering_mid_run(fixtures, expected, monkeypatch):
+    """Requests entering one by one as others finish (as a server admits
+    them): most steps prefill a request beside the trees, which replays no
+    full CUDA graph (attention eager, the tree metadata built for a mixed
+    batch). Outputs stay no-spec's, and DDTree's parts of those steps, the
+    tree attention's forward and metadata included, neither synchronise
+    nor upload from pageable memory (each would make the host wait for the
+    GPU, undoing async scheduling's overlap)."""
+    from benchmarks.bench_e2e import run_steady
+    from vllm_ddtree.v1.attention.backends.tree_attn import (
+        TreeAttentionImplMixin,
+        TreeMetadataBuilderMixin,
+    )
+
+    attach = TreeMetadataBuilderMixin._attach_tree
+    mixed = []
+
+    def counted_attach(self, metadata, common_attn_metadata, tree):
+        mixed.append(tree is not None and not tree.covers_batch)
+        return attach(self, metadata, common_attn_metadata, tree)
+
+    monkeypatch.setattr(TreeMetadataBuilderMixin, "_attach_tree", counted_attach)
+    ours = (
+        (TreeAttentionImplMixin, "forward"),
+        (TreeMetadataBuilderMixin, "_attach_tree"),
+        *_step_parts()[:2],
+    )
+    checked: set[str] = set()
+    spec = ddtree_config(fixtures.dense_drafter, 16, model_runner="v2")
+    llm = _engine(fixtures.dense_target, False, spec)
+    try:
+        # The sampler and the drafter run vLLM's own code too: syncs only.
+        for owner, name in _step_parts()[2:]:
+            fail_on_host_sync(monkeypatch, owner, name, checked)
+        for owner, name in ours:
+            fail_on_host_sync(monkeypatch, owner, name, checked, pageable_uploads=True)
+        outputs = run_steady(
+            llm,
+            lambda k: ({"prompt_token_ids": PROMPTS[k]}, GREEDY),
+            batch=3,
+            enough=lambda submitted: submitted >= len(PROMPTS),
+        )
+    finally:
+        shutdown_llm(llm)
+    assert outputs == expected["greedy"]
+    assert sum(mixed) >= 3, "no steps mixed prefills with trees"
+    assert checked == {name for _, name in (*_step_parts(), *ours)}
+
+
+def test_v2_step_parts_never_wait_for_the_gpu(fixtures, expected, monkeypatch):
+    """V2 never learns a step's results on the host; DDTree's own parts of a
+    step (the verify plan, the walk, the KV commit, drafting and the tree
+    build) must not make it wait for them either: each serving call runs
+    under ``torch.cuda.set_sync_debug_mode("error")``, which raises at any
+    synchronizing call (``.item()``, ``.cpu()``, a boolean-mask index)."""
+    parts = _step_parts()
     checked: set[str] = set()
     spec = ddtree_config(fixtures.dense_drafter, 16, model_runner="v2")
     llm = _engine(fixtures.dense_target, False, spec)
