@@ -148,11 +148,14 @@ def request_seeds(
         chosen = [g.initial_seed() for g in generators.values()]
         # A seed is a uint64 to torch and an int64 to vLLM's V2 sampler.
         chosen = [c - 2**64 if c >= 2**63 else c for c in chosen]
-        # Built on the host and sent without blocking: this runs after the
-        # forward pass is queued.
-        rows_t = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        chosen_t = torch.tensor(chosen, dtype=torch.int64)
-        seeds[rows_t] = chosen_t.to(device, non_blocking=True)
+        # Built on the host and sent in one copy from pinned memory: this
+        # runs after the forward pass is queued, and an upload from pageable
+        # memory would wait for it.
+        host = torch.tensor(
+            [rows, chosen], dtype=torch.int64, pin_memory=device.type == "cuda"
+        )
+        rows_t, chosen_t = host.to(device, non_blocking=True)
+        seeds[rows_t] = chosen_t
     return seeds
 
 
