@@ -614,9 +614,10 @@ def warm_up_tree_kernels(
     commit, ``walk_kv_commit``, if it has one), the drafter's top-k
     normaliser, the tree attention once per distinct layer geometry
     (``block_table_for(gid)``: a one-request block table of KV-cache group
-    ``gid``), the KV commit and, for hybrid targets, the tree GDN ops and
-    the recurrent-state commit. Otherwise each variant compiles (about a
-    second) the first time a tree size needs it, in the middle of serving."""
+    ``gid``), the KV commit (unless the walk makes it) and, for hybrid
+    targets, the tree GDN ops and the recurrent-state commit. Otherwise each
+    variant compiles (about a second) the first time a tree size needs it,
+    in the middle of serving."""
     # Imported here: the CPU runner shares this module and needs neither.
     from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
         FlashTreeAttentionImpl,
@@ -665,9 +666,12 @@ def warm_up_tree_kernels(
     zero = torch.zeros(1, dtype=torch.int64, device=device)
     # A path that accepted nothing: no move.
     path = torch.zeros(1, 1 + cfg.max_depth, dtype=torch.int64, device=device)
-    for _, commit in runner._kv_commit_plan().values():
-        if commit is not None:
-            commit(zero, zero, path)
+    # A walk that commits the KV is the plan's only commit: the commit's own
+    # kernel then never runs.
+    if walk_kv_commit is None:
+        for _, commit in runner._kv_commit_plan().values():
+            if commit is not None:
+                commit(zero, zero, path)
     if runner.model_config.is_hybrid:
         warm_up_tree_gdn(
             [
