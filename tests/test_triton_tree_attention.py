@@ -384,13 +384,14 @@ def _worker() -> None:
         except Exception as exc:
             res = {"error": repr(exc)}
         print_case(name, res)
-    for cases, check in (
-        (TREE_ONLY_CASES, _check_tree_only),
-        (SEEDED_CASES, _check_seeded),
+    for cases, check, fn in (
+        (TREE_ONLY_CASES, _check_tree_only, tta.tree_attention),
+        (SEEDED_CASES, _check_seeded, tta.tree_attention),
+        (LAYER_CASES, check_layers, tta.TreePass),
     ):
         for name, dtype in cases.items():
             try:
-                res = check(tta.tree_attention, getattr(torch, dtype))
+                res = check(fn, getattr(torch, dtype))
             except Exception as exc:
                 res = {"error": repr(exc)}
             print_case(name, res)
@@ -459,10 +460,69 @@ def _check_seeded(
     return compare_tree_rows(batch, out, ref)
 
 
+# One tree pass over the layers of a step (``TreePass``): the same trees and
+# block table, each layer with caches and queries of its own (the same
+# shapes, strides and storage offsets, fresh storage), and a last layer whose
+# query sits off the 16-byte alignment the first had (another variant of the
+# kernel). Splits forced: the layers share the pass's split scratch.
+LAYER_CASES = {"layers-bf16": "bfloat16", "layers-fp32": "float32"}
+LAYER_ROWS = [(9, 100), (33, 20), (1, 48), (17, 0), (65, 130)]
+
+
+def other_layer(batch: TreeBatch, seed: int, misalign_query: bool = False):
+    """``batch`` with fresh random queries and caches laid out like its own."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def like(x: torch.Tensor, shift: int = 0) -> torch.Tensor:
+        numel = x.untyped_storage().nbytes() // x.element_size() + shift
+        storage = torch.randn(numel, generator=gen).to(x.device, x.dtype)
+        return storage.as_strided(x.shape, x.stride(), x.storage_offset() + shift)
+
+    return TreeBatch(
+        **{
+            **batch.__dict__,
+            "query": like(batch.query, shift=1 if misalign_query else 0),
+            "key_cache": like(batch.key_cache),
+            "value_cache": like(batch.value_cache),
+        }
+    )
+
+
+def check_layers(
+    pass_cls, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> dict:
+    """Every layer's output of one ``pass_cls`` (:class:`TreePass`) against
+    the reference, the worst layer's errors; ``variants``: the compiled
+    variants the pass launches directly (none under the interpreter)."""
+    batch = make_batch(
+        LAYER_ROWS, page=16, num_q_heads=4, num_kv_heads=2, head_dim=32,
+        dtype=dtype, device=device, seed=5,
+    )  # fmt: skip
+    layers = [batch, other_layer(batch, 1), other_layer(batch, 2)]
+    layers.append(other_layer(batch, 3, misalign_query=True))
+    outs = [b.poisoned_out() for b in layers]
+    tree_pass = pass_cls(*batch.args(outs[0]), num_splits=3)
+    for b, out in zip(layers, outs, strict=True):
+        tree_pass(b.query, b.key_cache, b.value_cache, out)
+    results = []
+    for b, out in zip(layers, outs, strict=True):
+        ref = b.poisoned_out()
+        tree_attention_reference(*b.args(ref))
+        results.append(compare_tree_rows(b, out, ref))
+    return {
+        **max(results, key=lambda res: res["rel_err"]),
+        "finite": all(res["finite"] for res in results),
+        "untouched_nan": all(res["untouched_nan"] for res in results),
+        "variants": len(tree_pass.fwd.runners),
+    }
+
+
 interp_results = interpreter_fixture(__file__, timeout=600)
 
 
-@pytest.mark.parametrize("name", [*CASES, *TREE_ONLY_CASES, *SEEDED_CASES])
+@pytest.mark.parametrize(
+    "name", [*CASES, *TREE_ONLY_CASES, *SEEDED_CASES, *LAYER_CASES]
+)
 def test_triton_kernel_interpreted(interp_results, name):
     rec = interpreted_case(interp_results, name)
     assert rec["finite"], rec

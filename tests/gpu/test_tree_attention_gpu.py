@@ -266,6 +266,20 @@ def test_tree_pass_continues_context_state(dtype):
     assert res["rel_err"] < res["tol"], res
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tree_pass_over_layers(dtype):
+    """One ``TreePass`` run layer after layer (its split scratch shared, the
+    compiled kernel launched directly from the second layer on) equals the
+    reference in every layer, a layer whose query is laid out at another
+    alignment included: that one gets a compiled variant of its own."""
+    from vllm_ddtree.v1.attention.ops.triton_tree_attention import TreePass
+
+    res = H.check_layers(TreePass, dtype, "cuda")
+    assert res["finite"] and res["untouched_nan"], res
+    assert res["rel_err"] < res["tol"], res
+    assert res["variants"] == 2, res
+
+
 def test_flash_context_plus_tree_pass():
     """FlashAttention over the context + our tree pass continuing its softmax
     state (``context_lse``) equals the fused kernel."""

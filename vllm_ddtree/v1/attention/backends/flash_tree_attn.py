@@ -43,8 +43,8 @@ from vllm_ddtree.v1.attention.ops.flash_context_tree_attention import (
     flash_context_tree_attention,
 )
 from vllm_ddtree.v1.attention.ops.triton_tree_attention import (
+    TreePass,
     compile_variants,
-    tree_attention,
 )
 
 _LAYOUTS: dict[tuple, PagedKVLayout] = {}
@@ -68,6 +68,9 @@ class FlashTreeAttentionMetadataBuilder(
     def _attach_tree(self, metadata, common_attn_metadata, tree) -> bool:
         uniform = super()._attach_tree(metadata, common_attn_metadata, tree)
         metadata.tree_flash_context = uniform and self.flash_context
+        # This batch's tree passes by layer geometry, planned in the first
+        # layer of each (see ``TreePass``).
+        metadata.tree_passes = {}
         return uniform
 
 
@@ -156,7 +159,12 @@ class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
                 num_splits=metadata.max_num_splits,
             )
         else:
-            tree_attention(*args, max_ctx_len=tree.max_ctx_len)
+            geometry = (self.num_heads, self.head_size, self.scale, kv_cache.shape)
+            tree_pass = metadata.tree_passes.get(geometry)
+            if tree_pass is None:
+                tree_pass = TreePass(*args, max_ctx_len=tree.max_ctx_len)
+                metadata.tree_passes[geometry] = tree_pass
+            tree_pass(*args[:4])
 
 
 class FlashTreeAttentionBackend(FlashAttentionBackend):

@@ -38,13 +38,16 @@ Kernel design (decode-shaped; the bytes are in the context, the queries few):
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
 
-__all__ = ["tree_attention", "choose_num_splits"]
+__all__ = ["TreePass", "tree_attention", "choose_num_splits"]
 
 _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -502,6 +505,263 @@ def choose_num_splits(
     return max(1, min(want, by_len, _MAX_SPLITS))
 
 
+class _Launches:
+    """Launches of one Triton kernel whose compile-time arguments and grid
+    are fixed, e.g. a tree pass in every attention layer of a step.
+
+    Triton's dispatch (``kernel[grid](...)``) specialises every argument and
+    looks the variant up before each launch: tens of microseconds of host
+    time at this kernel's fifty arguments, paid in every layer of a step
+    that runs attention eagerly (prefills beside the trees). After the first
+    launch with a given ``key`` (whatever in the arguments may change the
+    variant: the layer-dependent tensors' dtypes, strides and 16-byte
+    alignment), later launches call the compiled variant directly.
+    """
+
+    def __init__(self, fn, grid: tuple[int, ...], constexprs: dict, **options) -> None:
+        self.fn = fn
+        self.grid = grid
+        self.kwargs = {**constexprs, **options}
+        self.constexprs = tuple(constexprs)
+        self.trailing = tuple(constexprs.values())
+        self.runners: dict[tuple, Callable] = {}
+
+    def __call__(self, key: tuple, args: list) -> None:
+        runner = self.runners.get(key)
+        if runner is not None:
+            runner(*args, *self.trailing)
+            return
+        kernel = self.fn[self.grid](*args, **self.kwargs)
+        # Triton's interpreter returns no compiled kernel: it dispatches each time.
+        if isinstance(kernel, CompiledKernel):
+            # A compiled kernel takes every argument in signature order.
+            assert self.constexprs == _trailing_constexprs(self.fn)
+            self.runners[key] = kernel[self.grid]
+
+
+@functools.cache
+def _trailing_constexprs(fn) -> tuple[str, ...]:
+    """Names of ``fn``'s compile-time parameters, which must be its last."""
+    names = [p.name for p in fn.params]
+    num = len(fn.constexprs)
+    assert sorted(fn.constexprs) == list(range(len(names) - num, len(names)))
+    return tuple(names[len(names) - num :])
+
+
+def _variant_key(*tensors: torch.Tensor | None) -> tuple:
+    """What of ``tensors`` may select another compiled variant of a kernel:
+    dtype, strides and 16-byte alignment."""
+    return tuple(
+        None if t is None else (t.dtype, t.stride(), t.data_ptr() % 16 == 0)
+        for t in tensors
+    )
+
+
+class TreePass:
+    """Tree attention over one batch's trees, for every layer of a geometry.
+
+    The constructor takes :func:`tree_attention`'s arguments (the first
+    layer's tensors stand for every layer's) and makes the choices that do
+    not depend on the layer: tiles, split-KV factor, grids and the split
+    scratch, which all layers reuse (their passes run one after another on
+    the stream). Each call then runs the pass of one layer: its query,
+    caches, output and, where planned, log-sum-exp buffers, of the same
+    shapes as the first layer's. A metadata builder's batch keeps one per
+    step, so a step with eager attention pays the planning and Triton's
+    dispatch once rather than per layer (see :class:`_Launches`).
+    """
+
+    def __init__(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        out: torch.Tensor,
+        block_table: torch.Tensor,
+        q_start: torch.Tensor,
+        num_nodes: torch.Tensor,
+        ctx_len: torch.Tensor,
+        mask_row_start: torch.Tensor,
+        tree_mask: torch.Tensor,
+        softmax_scale: float,
+        max_nodes: int,
+        *,
+        max_ctx_len: int | None = None,
+        num_splits: int | None = None,
+        lse: torch.Tensor | None = None,
+        tree_only: bool = False,
+        context_lse: torch.Tensor | None = None,
+        block_m: int | None = None,
+    ) -> None:
+        T, num_q_heads, head_dim = query.shape
+        num_kv_heads = key_cache.shape[2]
+        page = key_cache.shape[1]
+        assert key_cache.shape[3] == head_dim and value_cache.shape == key_cache.shape
+        assert num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
+        assert out.shape == query.shape
+        assert key_cache.dtype == query.dtype and value_cache.dtype == query.dtype
+        group = num_q_heads // num_kv_heads
+        num_rows = num_nodes.shape[0]
+        self.empty = num_rows == 0 or max_nodes <= 0
+        if self.empty:
+            return
+
+        block_d = triton.next_power_of_2(head_dim)
+        block_m, block_n, num_warps, num_stages = _pick_tiles(
+            max_nodes * group, block_d, block_m
+        )
+        q_tiles = triton.cdiv(max_nodes * group, block_m)
+        if context_lse is not None:
+            tree_only = True
+        if tree_only:
+            num_splits = 1
+        elif num_splits is None:
+            if max_ctx_len is None:
+                max_ctx_len = block_table.shape[1] * page
+            num_splits = choose_num_splits(
+                num_rows * num_kv_heads * q_tiles,
+                max_ctx_len,
+                _num_sms(query.device),
+                block_n,
+                block_m,
+            )
+        num_splits = max(1, int(num_splits))
+        self.split = split = num_splits > 1
+        # Without splits the scratch arguments are unused: any tensor of the
+        # output's dtype (a variant compiled for another would not match the
+        # start-up warm-up's).
+        self.o_part = self.lse_part = out
+        if split:
+            t_tree = tree_mask.shape[0]
+            self.o_part = torch.empty(
+                (num_splits, t_tree, num_q_heads, block_d),
+                dtype=torch.float32,
+                device=query.device,
+            )
+            self.lse_part = torch.empty(
+                (num_splits, t_tree, num_q_heads),
+                dtype=torch.float32,
+                device=query.device,
+            )
+        self.writes_lse = lse is not None
+        self.seeded = context_lse is not None
+        self.placeholder = out
+        self.tree_args = (
+            block_table,
+            q_start,
+            num_nodes,
+            ctx_len,
+            mask_row_start,
+            tree_mask,
+            softmax_scale * _LOG2E,
+            num_kv_heads,
+            num_splits,
+        )
+        self.table_args = (*block_table.stride(), *tree_mask.stride())
+        self.part_strides = (
+            (*self.o_part.stride()[:3], *self.lse_part.stride()[:2])
+            if split
+            else (0,) * 5
+        )
+        self.fwd = _Launches(
+            _tree_attn_fwd_kernel,
+            (q_tiles, num_splits, num_rows * num_kv_heads),
+            dict(
+                PAGE=page,
+                G=group,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                MIN_CHUNK=max(_MIN_CHUNK, block_n),
+                SPLIT=split,
+                WRITE_LSE=self.writes_lse,
+                TREE_ONLY=tree_only,
+                SEEDED=self.seeded,
+                DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
+                DOT_UPCAST=_INTERPRET and query.dtype == torch.bfloat16,
+            ),
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        if split:
+            block_h = min(triton.next_power_of_2(num_q_heads), _REDUCE_HEADS)
+            self.reduce_args = (
+                q_start,
+                num_nodes,
+                mask_row_start,
+                num_splits,
+                num_q_heads,
+            )
+            self.reduce = _Launches(
+                _tree_attn_reduce_kernel,
+                (num_rows, max_nodes, triton.cdiv(num_q_heads, block_h)),
+                dict(
+                    HEAD_DIM=head_dim,
+                    BLOCK_D=block_d,
+                    BLOCK_H=block_h,
+                    WRITE_LSE=self.writes_lse,
+                ),
+                num_warps=4,
+            )
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        context_lse: torch.Tensor | None = None,
+    ) -> None:
+        """One layer's pass; writes ``out`` (and ``lse``) in place. ``lse``
+        and ``context_lse`` are given exactly when they were planned."""
+        if self.empty:
+            return
+        assert (lse is not None) == self.writes_lse
+        assert (context_lse is not None) == self.seeded
+        lse_arg = out if lse is None else lse
+        lse_strides = (0, 0) if lse is None else lse.stride()
+        ctx_strides = (0, 0) if context_lse is None else context_lse.stride()
+        key = _variant_key(query, key_cache, value_cache, out, lse, context_lse)
+        self.fwd(
+            key,
+            [
+                query,
+                key_cache,
+                value_cache,
+                out,
+                lse_arg,
+                self.o_part,
+                self.lse_part,
+                lse_arg if context_lse is None else context_lse,
+                *self.tree_args,
+                *query.stride(),
+                *key_cache.stride(),
+                *value_cache.stride(),
+                *out.stride(),
+                *lse_strides,
+                *ctx_strides,
+                *self.table_args,
+                *self.part_strides,
+            ],
+        )
+        if self.split:
+            self.reduce(
+                key,
+                [
+                    out,
+                    lse_arg,
+                    self.o_part,
+                    self.lse_part,
+                    *self.reduce_args,
+                    *out.stride(),
+                    *lse_strides,
+                    *self.part_strides,
+                ],
+            )
+
+
 def tree_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -574,136 +834,29 @@ def tree_attention(
     Returns:
         The LSE tensor if requested, else ``None``.
     """
-    T, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    page = key_cache.shape[1]
-    assert key_cache.shape[3] == head_dim and value_cache.shape == key_cache.shape
-    assert num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
-    assert out.shape == query.shape
-    assert key_cache.dtype == query.dtype and value_cache.dtype == query.dtype
-    group = num_q_heads // num_kv_heads
-    num_rows = num_nodes.shape[0]
-
-    if lse is not None:
-        return_lse = True
-    elif return_lse:
-        lse = torch.empty((T, num_q_heads), dtype=torch.float32, device=query.device)
-    if num_rows == 0 or max_nodes <= 0:
-        return lse if return_lse else None
-
-    block_d = triton.next_power_of_2(head_dim)
-    block_m, block_n, num_warps, num_stages = _pick_tiles(
-        max_nodes * group, block_d, block_m
-    )
-    q_tiles = triton.cdiv(max_nodes * group, block_m)
-    if context_lse is not None:
-        tree_only = True
-    if tree_only:
-        num_splits = 1
-    elif num_splits is None:
-        if max_ctx_len is None:
-            max_ctx_len = block_table.shape[1] * page
-        num_splits = choose_num_splits(
-            num_rows * num_kv_heads * q_tiles,
-            max_ctx_len,
-            _num_sms(query.device),
-            block_n,
-            block_m,
-        )
-    num_splits = max(1, int(num_splits))
-    split = num_splits > 1
-    dot_prec = "ieee" if query.dtype == torch.float32 else "tf32"
-
-    if split:
-        t_tree = tree_mask.shape[0]
-        o_part = torch.empty(
-            (num_splits, t_tree, num_q_heads, block_d),
-            dtype=torch.float32,
-            device=query.device,
-        )
-        lse_part = torch.empty(
-            (num_splits, t_tree, num_q_heads), dtype=torch.float32, device=query.device
-        )
-    else:
-        o_part = lse_part = out  # unused placeholders
-    lse_arg = lse if lse is not None else out
-    lse_strides = (lse.stride(0), lse.stride(1)) if lse is not None else (0, 0)
-
-    grid = (q_tiles, num_splits, num_rows * num_kv_heads)
-    _tree_attn_fwd_kernel[grid](
+    if lse is None and return_lse:
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+    TreePass(
         query,
         key_cache,
         value_cache,
         out,
-        lse_arg,
-        o_part,
-        lse_part,
-        context_lse if context_lse is not None else lse_arg,
         block_table,
         q_start,
         num_nodes,
         ctx_len,
         mask_row_start,
         tree_mask,
-        softmax_scale * _LOG2E,
-        num_kv_heads,
-        num_splits,
-        *query.stride(),
-        *key_cache.stride(),
-        *value_cache.stride(),
-        *out.stride(),
-        *lse_strides,
-        *(context_lse.stride() if context_lse is not None else (0, 0)),
-        *block_table.stride(),
-        *tree_mask.stride(),
-        o_part.stride(0) if split else 0,
-        o_part.stride(1) if split else 0,
-        o_part.stride(2) if split else 0,
-        lse_part.stride(0) if split else 0,
-        lse_part.stride(1) if split else 0,
-        PAGE=page,
-        G=group,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        MIN_CHUNK=max(_MIN_CHUNK, block_n),
-        SPLIT=split,
-        WRITE_LSE=lse is not None,
-        TREE_ONLY=tree_only,
-        SEEDED=context_lse is not None,
-        DOT_PREC=dot_prec,
-        DOT_UPCAST=_INTERPRET and query.dtype == torch.bfloat16,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    if split:
-        block_h = min(triton.next_power_of_2(num_q_heads), _REDUCE_HEADS)
-        rgrid = (num_rows, max_nodes, triton.cdiv(num_q_heads, block_h))
-        _tree_attn_reduce_kernel[rgrid](
-            out,
-            lse_arg,
-            o_part,
-            lse_part,
-            q_start,
-            num_nodes,
-            mask_row_start,
-            num_splits,
-            num_q_heads,
-            *out.stride(),
-            *lse_strides,
-            o_part.stride(0),
-            o_part.stride(1),
-            o_part.stride(2),
-            lse_part.stride(0),
-            lse_part.stride(1),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_H=block_h,
-            WRITE_LSE=lse is not None,
-            num_warps=4,
-        )
-    return lse if return_lse else None
+        softmax_scale,
+        max_nodes,
+        max_ctx_len=max_ctx_len,
+        num_splits=num_splits,
+        lse=lse,
+        tree_only=tree_only,
+        context_lse=context_lse,
+        block_m=block_m,
+    )(query, key_cache, value_cache, out, lse, context_lse)
+    return lse
 
 
 def compile_variants(
