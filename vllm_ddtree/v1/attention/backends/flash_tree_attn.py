@@ -86,9 +86,16 @@ def slot_rows(kv_cache: torch.Tensor) -> torch.Tensor | None:
 
 
 class FlashTreeAttentionImpl(TreeAttentionImplMixin, FlashAttentionImpl):
-    def _cache_views(self, kv_cache: torch.Tensor):
+    # The layer's cache and its key and value views (made once: a step with
+    # eager attention runs the tree pass in every layer).
+    _views: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
+
+    def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``[num_blocks, block_size, Hkv, D]`` key and value views."""
-        return kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        if self._views is None or self._views[0] is not kv_cache:
+            views = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+            self._views = (kv_cache, views)
+        return self._views[1]
 
     def kv_layout(self, kv_cache: torch.Tensor) -> PagedKVLayout:
         # The index maps depend on the cache's geometry only, and every layer
