@@ -58,11 +58,17 @@ def test_an_inherited_method_is_timed_on_the_subclass_and_removed(monkeypatch):
 
 def test_step_times_split_mixed_and_decode_steps():
     """A step's time runs to the next step's start; mixed steps (a prefill
-    beside the decodes) and decode-only ones get medians of their own."""
+    beside the decodes) and decode-only ones get medians of their own; the
+    slowest steps are listed, longest first."""
     starts = [0.0, 0.003, 0.010, 0.013, 0.016, 0.024, 0.027]
     mixed = [False, True, False, False, True, False, False]
-    times = step_times([Step(t, m) for t, m in zip(starts, mixed, strict=True)])
+    steps = [Step(t, m) for t, m in zip(starts, mixed, strict=True)]
+    times = step_times(steps)
     assert round(times["median_mixed_step_ms"], 6) == 7.5
     assert round(times["median_decode_step_ms"], 6) == 3.0
     assert round(times["median_step_ms"], 6) == 3.0
     assert times["mixed_step_share"] == 2 / 6
+    slowest = step_times(steps, num_slowest=2)
+    assert [
+        (s["step"], round(s["ms"], 6), s["mixed"]) for s in slowest["slowest_steps"]
+    ] == [(4, 8.0, True), (1, 7.0, True)]
