@@ -314,26 +314,27 @@ def count_steps(llm: Any, run: Any) -> list[Step]:
 
 
 def step_times(steps: list[Step], num_slowest: int = 5) -> dict[str, Any]:
-    """Median milliseconds from a step's start to the next one's, over all
-    steps and over the mixed and the decode-only ones apart, the share of
-    mixed steps and the ``num_slowest`` longest steps (their index, ms and
-    whether mixed: a mean far above the medians is a few such steps).
-    Medians leave out ``generate()``'s fixed costs (request intake, output
-    assembly), which ``ms_per_step`` spreads over the steps (most visible
-    for a short decode of few long steps, DDTree at batch 1). Under async
-    scheduling a step's host work overlaps the previous step's device work,
-    so the split is by where the host spent the gap."""
+    """Median and mean milliseconds from a step's start to the next one's,
+    over all steps and over the mixed and the decode-only ones apart, the
+    share of mixed steps and the ``num_slowest`` longest steps (their
+    index, ms and whether mixed: a mean far above its median is a few such
+    steps). Medians and means leave out ``generate()``'s fixed costs
+    (request intake, output assembly), which ``ms_per_step`` spreads over
+    the steps (most visible for a short decode of few long steps, DDTree at
+    batch 1). Under async scheduling a step's host work overlaps the
+    previous step's device work, so the split is by where the host spent
+    the gap."""
     gaps = [(b.start - a.start, a.mixed) for a, b in itertools.pairwise(steps)]
     slowest = sorted(enumerate(gaps), key=lambda item: -item[1][0])[:num_slowest]
 
-    def median_ms(kind: bool | None) -> float | None:
+    times: dict[str, Any] = {}
+    for kind, name in ((None, "step"), (True, "mixed_step"), (False, "decode_step")):
         chosen = [gap for gap, mixed in gaps if kind is None or mixed == kind]
-        return 1e3 * statistics.median(chosen) if chosen else None
-
+        for stat in (statistics.median, statistics.mean):
+            value = 1e3 * stat(chosen) if chosen else None
+            times[f"{stat.__name__}_{name}_ms"] = value
     return {
-        "median_step_ms": median_ms(None),
-        "median_mixed_step_ms": median_ms(True),
-        "median_decode_step_ms": median_ms(False),
+        **times,
         "mixed_step_share": sum(mixed for _, mixed in gaps) / max(len(gaps), 1),
         "slowest_steps": [
             {"step": i, "ms": 1e3 * gap, "mixed": mixed} for i, (gap, mixed) in slowest

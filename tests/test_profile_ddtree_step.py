@@ -58,8 +58,8 @@ def test_an_inherited_method_is_timed_on_the_subclass_and_removed(monkeypatch):
 
 def test_step_times_split_mixed_and_decode_steps():
     """A step's time runs to the next step's start; mixed steps (a prefill
-    beside the decodes) and decode-only ones get medians of their own; the
-    slowest steps are listed, longest first."""
+    beside the decodes) and decode-only ones get medians and means of their
+    own; the slowest steps are listed, longest first."""
     starts = [0.0, 0.003, 0.010, 0.013, 0.016, 0.024, 0.027]
     mixed = [False, True, False, False, True, False, False]
     steps = [Step(t, m) for t, m in zip(starts, mixed, strict=True)]
@@ -67,6 +67,8 @@ def test_step_times_split_mixed_and_decode_steps():
     assert round(times["median_mixed_step_ms"], 6) == 7.5
     assert round(times["median_decode_step_ms"], 6) == 3.0
     assert round(times["median_step_ms"], 6) == 3.0
+    assert round(times["mean_mixed_step_ms"], 6) == 7.5
+    assert round(times["mean_step_ms"], 6) == 4.5
     assert times["mixed_step_share"] == 2 / 6
     slowest = step_times(steps, num_slowest=2)
     assert [
