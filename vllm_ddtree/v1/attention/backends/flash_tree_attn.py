@@ -16,9 +16,11 @@ vLLM captures as full graphs (``UNIFORM_BATCH`` support): their tree inputs
 live in :class:`~.tree_attn.UniformTreeBuffers`, one per tree size,
 refilled by the builder every step. Other verify batches (mixed with
 prefills, or trees cut by adaptive budgets) run with piecewise graphs,
-attention eager. A batch made only of trees skips FlashAttention's causal
-pass: one Triton launch per layer, or, with ``ddtree.flash_context``,
-FlashAttention over the context + a tree-only Triton pass (see
+attention eager: the batch's metadata keeps one planned tree pass
+(``TreePass``) for all its layers. A batch made only of trees skips
+FlashAttention's causal pass: one Triton launch per layer, or, with
+``ddtree.flash_context``, FlashAttention over the context + a tree-only
+Triton pass (see
 ``flash_context_tree_attention.py``).
 """
 
