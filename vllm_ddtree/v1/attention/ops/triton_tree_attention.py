@@ -593,7 +593,7 @@ class TreePass:
         context_lse: torch.Tensor | None = None,
         block_m: int | None = None,
     ) -> None:
-        T, num_q_heads, head_dim = query.shape
+        _, num_q_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[2]
         page = key_cache.shape[1]
         assert key_cache.shape[3] == head_dim and value_cache.shape == key_cache.shape
@@ -645,7 +645,6 @@ class TreePass:
             )
         self.writes_lse = lse is not None
         self.seeded = context_lse is not None
-        self.placeholder = out
         self.tree_args = (
             block_table,
             q_start,
