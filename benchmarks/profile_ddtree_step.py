@@ -39,6 +39,7 @@ phases are timed under V1's and V2's method names alike. Steps are counted
 from __future__ import annotations
 
 import argparse
+import bisect
 import cProfile
 import faulthandler
 import functools
@@ -233,6 +234,29 @@ def gc_pauses(run: Any) -> dict[str, float]:
     return dict(counts)
 
 
+def triton_compiles(run: Any) -> list[tuple[float, str]]:
+    """The Triton kernels compiled during ``run()`` (when, and which): each
+    launch whose specialisation (its arguments' dtypes, alignment, integers
+    equal to 1 or divisible by 16) the kernel had not seen compiles a
+    variant, or loads it from the disk cache, in that step. An engine warmed
+    up on the same requests should compile none; one that does shows it as
+    a slow step."""
+    from triton import knobs
+
+    compiled: list[tuple[float, str]] = []
+
+    def on_compile(*, fn, **_) -> None:
+        compiled.append((time.perf_counter(), fn.name))
+
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = on_compile
+    try:
+        run()
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    return compiled
+
+
 def wall_stacks(run: Any, interval_s: float = 2e-4, depth: int = 6) -> str:
     """Where each thread's wall time goes during ``run()``: a sampler thread
     reads every thread's stack (``sys._current_frames``) each
@@ -313,11 +337,16 @@ def count_steps(llm: Any, run: Any) -> list[Step]:
     return steps
 
 
-def step_times(steps: list[Step], num_slowest: int = 5) -> dict[str, Any]:
+def step_times(
+    steps: list[Step],
+    compiled: list[tuple[float, str]] = (),
+    num_slowest: int = 5,
+) -> dict[str, Any]:
     """Median and mean milliseconds from a step's start to the next one's,
     over all steps and over the mixed and the decode-only ones apart, the
     share of mixed steps and the ``num_slowest`` longest steps (their
-    index, ms and whether mixed: a mean far above its median is a few such
+    index, ms, whether mixed and the Triton kernels ``compiled`` in them,
+    see :func:`triton_compiles`: a mean far above its median is a few such
     steps). Medians and means leave out ``generate()``'s fixed costs
     (request intake, output assembly), which ``ms_per_step`` spreads over
     the steps (most visible for a short decode of few long steps, DDTree at
@@ -326,6 +355,10 @@ def step_times(steps: list[Step], num_slowest: int = 5) -> dict[str, Any]:
     the gap."""
     gaps = [(b.start - a.start, a.mixed) for a, b in itertools.pairwise(steps)]
     slowest = sorted(enumerate(gaps), key=lambda item: -item[1][0])[:num_slowest]
+    starts = [step.start for step in steps]
+
+    def compiled_in(i: int) -> list[str]:
+        return [name for when, name in compiled if bisect.bisect(starts, when) == i + 1]
 
     times: dict[str, Any] = {}
     for kind, name in ((None, "step"), (True, "mixed_step"), (False, "decode_step")):
@@ -337,8 +370,10 @@ def step_times(steps: list[Step], num_slowest: int = 5) -> dict[str, Any]:
         **times,
         "mixed_step_share": sum(mixed for _, mixed in gaps) / max(len(gaps), 1),
         "slowest_steps": [
-            {"step": i, "ms": 1e3 * gap, "mixed": mixed} for i, (gap, mixed) in slowest
+            {"step": i, "ms": 1e3 * gap, "mixed": mixed, "compiled": compiled_in(i)}
+            for i, (gap, mixed) in slowest
         ],
+        "triton_compiles": len(compiled),
     }
 
 
@@ -481,7 +516,12 @@ def main() -> None:
         torch.cuda.synchronize()
     start = time.perf_counter()
     pauses: dict[str, float] = {}
-    counted = count_steps(llm, lambda: pauses.update(gc_pauses(decode)))
+    compiled: list[tuple[float, str]] = []
+
+    def timed_decode() -> None:
+        pauses.update(gc_pauses(decode))
+
+    counted = count_steps(llm, lambda: compiled.extend(triton_compiles(timed_decode)))
     seconds = time.perf_counter() - start
     steps = len(counted)
     summary = {
@@ -496,7 +536,7 @@ def main() -> None:
         "tokens_per_step": num_requests * args.max_tokens / steps,
         "seconds": seconds,
         "ms_per_step": 1e3 * seconds / steps,
-        **step_times(counted),
+        **step_times(counted, compiled),
         "gc_ms_per_step": sum(v for k, v in pauses.items() if k.endswith("_ms"))
         / steps,
         "gc": pauses,

@@ -59,7 +59,8 @@ def test_an_inherited_method_is_timed_on_the_subclass_and_removed(monkeypatch):
 def test_step_times_split_mixed_and_decode_steps():
     """A step's time runs to the next step's start; mixed steps (a prefill
     beside the decodes) and decode-only ones get medians and means of their
-    own; the slowest steps are listed, longest first."""
+    own; the slowest steps are listed, longest first, with the kernels
+    compiled in them."""
     starts = [0.0, 0.003, 0.010, 0.013, 0.016, 0.024, 0.027]
     mixed = [False, True, False, False, True, False, False]
     steps = [Step(t, m) for t, m in zip(starts, mixed, strict=True)]
@@ -70,7 +71,11 @@ def test_step_times_split_mixed_and_decode_steps():
     assert round(times["mean_mixed_step_ms"], 6) == 7.5
     assert round(times["mean_step_ms"], 6) == 4.5
     assert times["mixed_step_share"] == 2 / 6
-    slowest = step_times(steps, num_slowest=2)
+    # Kernels compiled during step 4 (one at its very start) and step 0.
+    compiled = [(0.016, "walk"), (0.020, "lay_out"), (0.001, "build")]
+    slowest = step_times(steps, compiled, num_slowest=2)
     assert [
-        (s["step"], round(s["ms"], 6), s["mixed"]) for s in slowest["slowest_steps"]
-    ] == [(4, 8.0, True), (1, 7.0, True)]
+        (s["step"], round(s["ms"], 6), s["mixed"], s["compiled"])
+        for s in slowest["slowest_steps"]
+    ] == [(4, 8.0, True, ["walk", "lay_out"]), (1, 7.0, True, [])]
+    assert slowest["triton_compiles"] == 3
