@@ -171,18 +171,27 @@ def _resolve(core: Any, path: str) -> Any:
 def time_phases(llm: Any, run: Any, steps: int) -> dict[str, dict[str, float]]:
     """Host wall time per step of each method in :data:`PHASES` during
     ``run()``, timed by wrappers set on the engine's instances (and removed
-    afterwards). Methods an engine does not have are left out."""
+    afterwards); also per mixed and per decode-only step (see :class:`Step`),
+    each phase counted in the step the runner last executed (the
+    scheduler's, which run before the runner's, thus in the step before).
+    Methods an engine does not have are left out."""
     core = llm.llm_engine.engine_core.engine_core
-    totals: dict[str, float] = defaultdict(float)
+    totals: dict[tuple[str, bool], float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
+    # Executed steps by kind, and the kind of the last one.
+    executed = {True: 0, False: 0}
+    mixed = [False]
 
     def timed_by_label(label: str, method: Any) -> Any:
         def timed(*args, **kwargs):
+            if label == "runner.execute_model":
+                mixed[0] = bool(args[0].scheduled_new_reqs)
+                executed[mixed[0]] += 1
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
-                totals[label] += time.perf_counter() - start
+                totals[label, mixed[0]] += time.perf_counter() - start
                 calls[label] += 1
 
         return timed
@@ -204,9 +213,19 @@ def time_phases(llm: Any, run: Any, steps: int) -> dict[str, dict[str, float]]:
         _unpatch(patched)
         for owner, name in installed:
             delattr(owner, name)
+
+    def per_step(label: str, kind: bool) -> float | None:
+        count = executed[kind]
+        return 1e3 * totals[label, kind] / count if count else None
+
     return {
-        label: {"ms_per_step": 1e3 * totals[label] / steps, "calls": calls[label]}
-        for label in totals
+        label: {
+            "ms_per_step": 1e3 * (totals[label, True] + totals[label, False]) / steps,
+            "calls": calls[label],
+            "ms_per_mixed_step": per_step(label, True),
+            "ms_per_decode_step": per_step(label, False),
+        }
+        for label in calls
     }
 
 
@@ -545,9 +564,14 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     phases = time_phases(llm, decode, steps)
+    print("ms/step (all, mixed, decode-only), calls, phase")
     (args.out / "phases.json").write_text(json.dumps(phases, indent=2))
     for label, row in phases.items():
-        print(f"{row['ms_per_step']:8.3f} ms/step  {row['calls']:5d}x  {label}")
+        split = "  ".join(
+            f"{row[key]:8.3f}" if row[key] is not None else f"{'-':>8}"
+            for key in ("ms_per_mixed_step", "ms_per_decode_step")
+        )
+        print(f"{row['ms_per_step']:8.3f}  {split}  {row['calls']:5d}x  {label}")
 
     (args.out / "stacks.txt").write_text(wall_stacks(decode))
 

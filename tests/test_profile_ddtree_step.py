@@ -6,12 +6,16 @@ off again."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 from benchmarks.profile_ddtree_step import (
     FUNCTIONS,
     Step,
     _patch_functions,
     _unpatch,
     step_times,
+    time_phases,
 )
 from vllm_ddtree.v1.attention.backends.tree_attn import UniformTreeBuffers
 from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree import rejection_sampler
@@ -79,3 +83,52 @@ def test_step_times_split_mixed_and_decode_steps():
         for s in slowest["slowest_steps"]
     ] == [(4, 8.0, True, ["walk", "lay_out"]), (1, 7.0, True, [])]
     assert slowest["triton_compiles"] == 3
+
+
+def test_phases_are_split_between_mixed_and_decode_steps(monkeypatch):
+    """Each phase counts in the step the runner last executed: per step,
+    and per mixed and per decode-only step apart; the wrappers come off."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    class Runner:
+        def execute_model(self, scheduler_output):
+            clock[0] += 0.004 if scheduler_output.scheduled_new_reqs else 0.001
+
+        def sample_tokens(self, grammar_output):
+            clock[0] += 0.0005
+
+    runner = Runner()
+    core = SimpleNamespace(
+        scheduler=None,
+        model_executor=SimpleNamespace(
+            driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner))
+        ),
+    )
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=core))
+    )
+
+    def run() -> None:
+        for new in ([], ["prompt"], []):
+            runner.execute_model(SimpleNamespace(scheduled_new_reqs=new))
+            runner.sample_tokens(None)
+
+    phases = time_phases(llm, run, steps=3)
+    assert set(phases) == {"runner.execute_model", "runner.sample_tokens"}
+    rounded = {
+        label: {k: round(v, 6) for k, v in row.items()} for label, row in phases.items()
+    }
+    assert rounded["runner.execute_model"] == {
+        "ms_per_step": 2.0,
+        "calls": 3,
+        "ms_per_mixed_step": 4.0,
+        "ms_per_decode_step": 1.0,
+    }
+    assert rounded["runner.sample_tokens"] == {
+        "ms_per_step": 0.5,
+        "calls": 3,
+        "ms_per_mixed_step": 0.5,
+        "ms_per_decode_step": 0.5,
+    }
+    assert "execute_model" not in vars(runner)
