@@ -124,6 +124,7 @@ def compare(name: str, device: str = "cpu") -> dict:
     from vllm_ddtree.v1.worker.verify_plan import (
         lay_out_trees_torch,
         path_first_order_torch,
+        tree_attention_info,
     )
 
     budget, max_depth, *_ = CASES[name]
@@ -138,7 +139,17 @@ def compare(name: str, device: str = "cpu") -> dict:
         layout, shapes, tree_row, got_positions, seq_lens
     )
     fields = ("req_rows", "q_start", "num_nodes", "ctx_len", "parents")
+    # The masks packed by the lay-out against the tree metadata's own
+    # packing of the torch rows (every ancestor: chain rows run deeper than
+    # the trees' max_depth).
+    ctx_bound = seq_lens.cpu().numpy().astype(np.int64)
+    ref_tree = tree_attention_info(layout, ref_rows, ctx_bound, layout.width - 1)
+    ref_mask, ref_mask_start = ref_tree.packed_mask
+    got_mask, got_mask_start = got_rows.packed_mask
     res = {
+        "mask_equal": torch.equal(got_mask.cpu(), ref_mask.cpu())
+        and torch.equal(got_mask_start.cpu(), ref_mask_start.cpu()),
+        "mask_aligned": got_mask_start.data_ptr() % 16 == 0,
         "parents_equal": torch.equal(got_parents, ref_parents),
         "positions_equal": torch.equal(got_positions, ref_positions),
         "depth_moved": not torch.equal(ref_positions, positions),
@@ -325,6 +336,7 @@ def test_verify_step_kernels_interpreted(interp_results, name):
     rec = interpreted_case(interp_results, name)
     assert rec["parents_equal"] and rec["positions_equal"], rec
     assert all(rec["rows_equal"].values()) and rec["rows_aligned"], rec
+    assert rec["mask_equal"] and rec["mask_aligned"], rec
     assert rec["order_equal"] and rec["restored"], rec
     assert rec["commit_kernel_equal"] and rec["commit_torch_equal"], rec
     # The cases move nodes: deep trees and walks that accept several nodes.

@@ -142,6 +142,7 @@ def test_verify_step_kernels_on_gpu(name):
     rec = compare_verify_step(name, "cuda")
     assert rec["parents_equal"] and rec["positions_equal"], rec
     assert all(rec["rows_equal"].values()), rec
+    assert rec["mask_equal"] and rec["mask_aligned"], rec
     assert rec["order_equal"] and rec["restored"], rec
     assert rec["commit_kernel_equal"] and rec["commit_torch_equal"], rec
 

@@ -60,14 +60,16 @@ def _lay_out_kernel(
     POSITIONS,  # [tokens]: linear positions in, depth positions out
     PARENTS,  # [R (+ graph padding when FILL), width] out: root and padding -1
     TREE_INDEX,  # [R]: the row's index among the tree rows, -1 for none
+    TREE_MASK_START,  # [T]: the tree's first row in MASK (PACK)
     SEQ_LENS,  # [R]
     T_REQ_ROWS,  # [T] int32 out (the tree rows' attention inputs)
     T_Q_START,
     T_NUM_NODES,
     T_CTX_LEN,
+    T_MASK_START,
     T_PARENTS,  # [T, width] out
-    U_MASK,  # FILL: [rows * width, words] out, a uniform batch's ancestor masks
-    U_CTX,  # FILL: [rows] out, its context lengths
+    MASK,  # out: ancestor masks, [rows * width, words] (FILL) or [T nodes, words]
+    U_CTX,  # FILL: [rows] out, a uniform batch's context lengths
     stride_trees,
     stride_par,
     stride_tpar,
@@ -78,6 +80,7 @@ def _lay_out_kernel(
     NP: tl.constexpr,
     WP: tl.constexpr,
     FILL: tl.constexpr,
+    PACK: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     real = r < num_rows
@@ -113,13 +116,29 @@ def _lay_out_kernel(
         _store_ancestor_bits(
             PARENTS + r * stride_par,
             n,
-            U_MASK + r * width * stride_mask,
+            MASK + r * width * stride_mask,
             stride_mask,
             num_words,
             width - 1,
             NP,
             WP,
         )
+    if PACK:
+        # Another batch's trees' masks, one tree after another.
+        tl.debug_barrier()
+        if t >= 0:
+            mask_row = tl.load(TREE_MASK_START + t)
+            tl.store(T_MASK_START + t, mask_row.to(tl.int32))
+            _store_ancestor_bits(
+                PARENTS + r * stride_par,
+                n,
+                MASK + mask_row * stride_mask,
+                stride_mask,
+                num_words,
+                width - 1,
+                NP,
+                WP,
+            )
 
 
 def lay_out_trees_triton(
@@ -131,23 +150,31 @@ def lay_out_trees_triton(
     uniform: UniformTarget | None = None,
 ) -> tuple[torch.Tensor, TreeRows]:
     """:func:`~vllm_ddtree.v1.worker.verify_plan.lay_out_trees` in one
-    launch; with ``uniform`` (a batch of ``width``-node trees) the launch
-    also writes its graph buffers' context lengths and ancestor masks, and
-    the parents cover the graph padding too."""
+    launch, which also packs the trees' ancestor masks: with ``uniform`` (a
+    batch of ``width``-node trees) into its graph buffers, beside their
+    context lengths (the parents then cover the graph padding too); else
+    one tree after another (:attr:`TreeRows.packed_mask`)."""
     num_reqs, width = tree_row.shape[0], layout.width
     num_trees = len(layout.host_tree_rows)
     device = tree_row.device
     num_rows = num_reqs if uniform is None else uniform.num_reqs
     parents = torch.empty(num_rows, width, dtype=torch.long, device=device)
     # Read by the tree attention and the ancestor masks, one pointer each.
-    rows = aligned_planes(4, (num_trees,), torch.int32, device)
+    rows = aligned_planes(5, (num_trees,), torch.int32, device)
     tree_parents = torch.empty(num_trees, width, dtype=torch.long, device=device)
     proposal_parents, proposal_depths = tree_shapes
     fill = uniform is not None
     assert not fill or uniform.buffers.num_nodes == width, "buffers of another size"
-    # Without FILL the kernel writes neither: any int32 pointers will do.
-    mask = uniform.buffers.mask if fill else rows[0][None]
-    ctx = uniform.buffers.ctx_len if fill else rows[0]
+    pack = not fill and num_trees > 0
+    if fill:
+        mask, ctx = uniform.buffers.mask, uniform.buffers.ctx_len
+    else:
+        num_masks = int(layout.host_num_nodes[layout.host_tree_rows].sum())
+        words = triton.cdiv(width, 32)
+        mask = torch.empty(num_masks, words, dtype=torch.int32, device=device)
+        # Without FILL the kernel writes no context lengths: any int32
+        # pointer will do.
+        ctx = rows[0]
     if num_rows:
         _lay_out_kernel[(num_rows,)](
             tree_row,
@@ -158,11 +185,9 @@ def lay_out_trees_triton(
             positions,
             parents,
             layout.tree_index,
+            layout.tree_mask_start,
             seq_lens,
-            rows[0],
-            rows[1],
-            rows[2],
-            rows[3],
+            *rows.unbind(0),
             tree_parents,
             mask,
             ctx,
@@ -176,8 +201,11 @@ def lay_out_trees_triton(
             NP=_nodes_tile(width),
             WP=_nodes_tile(width) // 32,
             FILL=fill,
+            PACK=pack,
         )
-    return parents, TreeRows(*rows.unbind(0), tree_parents)
+    *attn_rows, mask_start = rows.unbind(0)
+    packed = (mask, mask_start) if pack else None
+    return parents, TreeRows(*attn_rows, tree_parents, packed)
 
 
 @triton.jit(do_not_specialize=["stride_path", "max_depth"])

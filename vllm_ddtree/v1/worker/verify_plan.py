@@ -49,7 +49,9 @@ class StagedLayout:
     flattened, as batch token, request row and node index; ``tree_rows``
     are the rows with drafts, with their ``tree_nodes`` and
     ``tree_q_start`` (``tree_index``: each row's index among them, ``-1``
-    for none); ``rows`` the sampler's maps;
+    for none; ``tree_mask_start``: the first row of each one's ancestor
+    masks when the trees' masks are packed one after another); ``rows`` the
+    sampler's maps;
     ``extra`` any arrays the caller added to the copy. ``width`` is the
     widest row, ``total`` the batch's token count; the ``host_*`` arrays are
     what the tree attention info needs on the host.
@@ -64,6 +66,7 @@ class StagedLayout:
     tree_nodes: torch.Tensor
     tree_q_start: torch.Tensor
     tree_index: torch.Tensor
+    tree_mask_start: torch.Tensor
     rows: VerifyRows
     extra: list[torch.Tensor]
     width: int
@@ -90,6 +93,7 @@ def stage_layout(
     tree_rows = np.nonzero(num_drafts > 0)[0]
     tree_index = np.full(len(num_nodes), -1, dtype=np.int64)
     tree_index[tree_rows] = np.arange(len(tree_rows))
+    tree_nodes = num_nodes[tree_rows]
     uploaded = staging.upload(
         num_nodes,
         root_index,
@@ -97,13 +101,14 @@ def stage_layout(
         node_rows,
         node_ids,
         tree_rows,
-        num_nodes[tree_rows],
+        tree_nodes,
         root_index[tree_rows],
         tree_index,
+        np.cumsum(tree_nodes) - tree_nodes,
         *rows_host,
         *extra,
     )
-    num_fields, num_rows = 9, len(rows_host)
+    num_fields, num_rows = 10, len(rows_host)
     return StagedLayout(
         *uploaded[:num_fields],
         rows=VerifyRows.from_device(uploaded[num_fields : num_fields + num_rows]),
@@ -156,13 +161,17 @@ class LayoutStager:
 class TreeRows:
     """The tree rows of a verify batch (its requests with drafts, in batch
     order) as the tree attention backends take them: batch row, root token,
-    node count and context length (``[T]`` int32) and ``parents [T, W]``."""
+    node count and context length (``[T]`` int32) and ``parents [T, W]``;
+    where the lay-out launch also packed their ancestor masks (one after
+    another, ``[sum of node counts, ceil(W / 32)]`` int32), those and each
+    tree's first mask row (``[T]`` int32)."""
 
     req_rows: torch.Tensor
     q_start: torch.Tensor
     num_nodes: torch.Tensor
     ctx_len: torch.Tensor
     parents: torch.Tensor
+    packed_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def tree_rows_of(
@@ -259,6 +268,7 @@ def tree_attention_info(
         num_nodes_cpu=counts.tolist(),
         ctx_len_cpu=ctx_len_bound[tree_rows].tolist(),
         covers_batch=int(counts.sum()) == layout.total,
+        packed=rows.packed_mask,
     )
 
 

@@ -55,8 +55,9 @@ class TreeAttentionInfo:
             context lengths (:class:`UniformTreeBuffers`): the bound that
             stands in for ``max(ctx_len_cpu)``, whose entries are then this
             bound too.
-        packed: the packed ancestor masks, when they live in buffers of
-            their own (see :attr:`packed_mask`).
+        packed: the packed ancestor masks and their first rows, when they
+            are packed already (a uniform batch's graph buffers, or the
+            runner's lay-out launch; see :attr:`packed_mask`).
         uniform_fill: set when the runner already wrote this step's inputs
             into the graph buffers of a uniform batch (see
             :class:`UniformFill`).
@@ -367,7 +368,9 @@ class TreeMetadataBuilderMixin:
             return True
         metadata.tree = tree
         if tree is not None:
-            metadata.tree_block_table = metadata.block_table[tree.req_rows.long()]
+            metadata.tree_block_table = metadata.block_table.index_select(
+                0, tree.req_rows
+            )
         return False
 
     def _uniform_buffers(self, common_attn_metadata) -> UniformTreeBuffers | None:
