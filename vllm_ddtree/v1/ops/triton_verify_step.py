@@ -167,14 +167,16 @@ def lay_out_trees_triton(
     assert not fill or uniform.buffers.num_nodes == width, "buffers of another size"
     pack = not fill and num_trees > 0
     if fill:
-        mask, ctx = uniform.buffers.mask, uniform.buffers.ctx_len
-    else:
+        mask = uniform.buffers.mask
+    elif pack:
         num_masks = int(layout.host_num_nodes[layout.host_tree_rows].sum())
         words = triton.cdiv(width, 32)
         mask = torch.empty(num_masks, words, dtype=torch.int32, device=device)
-        # Without FILL the kernel writes no context lengths: any int32
-        # pointer will do.
-        ctx = rows[0]
+    else:
+        # Neither FILL nor PACK: no masks written, any int32 pointer will do.
+        mask = rows[0][None]
+    # Without FILL the kernel writes no context lengths.
+    ctx = uniform.buffers.ctx_len if fill else rows[0]
     if num_rows:
         _lay_out_kernel[(num_rows,)](
             tree_row,
