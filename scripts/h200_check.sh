@@ -450,8 +450,9 @@ e2e-async)
   ;;
 e2e-async-v2)
   # The same table, DDTree on the V2 runner (E2E_METHODS, default ddtree-v2);
-  # E2E_SCHEDULE (e.g. 1-1:64,2-1024:15) sizes its trees by batch size.
-  e2e_pair 560 e2e-h200-async "${E2E_METHODS:-ddtree-v2}" "${E2E_BUDGETS:-64}" --async-scheduling \
+  # E2E_SCHEDULE (e.g. 1-1:64,2-1024:15) sizes its trees by batch size;
+  # E2E_END: the table's end in seconds (default 560), when it shares a call.
+  e2e_pair $((${E2E_END:-560} - SECONDS)) e2e-h200-async "${E2E_METHODS:-ddtree-v2}" "${E2E_BUDGETS:-64}" --async-scheduling \
     --fixed-budget ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"}
   ;;
 train-e2e-async-v2)
