@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_module
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.config import DDTreeConfig
@@ -181,3 +183,71 @@ def test_drafter_graphs_ignore_tree_size_schedule(monkeypatch, hide_schedule):
         )
     else:
         assert any(num_reqs <= 0 for num_reqs, _ in shapes), shapes
+
+
+@pytest.mark.parametrize(("depth", "max_tokens"), [(3, 1000), (15, 8192)])
+def test_warm_up_input_kernel_meets_every_tile(monkeypatch, depth, max_tokens):
+    """The tiles DFlash's input preparation compiles (its kernel's
+    ``BLOCK_SIZE``) for the warm-up's batches include the tile of every
+    query length up to the token budget, as vLLM's own
+    ``prepare_dflash_inputs`` picks it (its kernel replaced by a recorder;
+    vLLM's CPU stand-in for Triton lacks the rounding it uses)."""
+    import triton
+
+    tiles: list[int] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: tiles.append(kwargs["BLOCK_SIZE"])
+
+    monkeypatch.setattr(dflash_module, "triton", triton)
+    monkeypatch.setattr(dflash_module, "_prepare_dflash_inputs_kernel", Recorder())
+    calls: list[tuple] = []
+    prepare = dflash_module.prepare_dflash_inputs
+
+    def recorded(*args):
+        calls.append(args)
+        prepare(*args)
+
+    monkeypatch.setattr(dflash_module, "prepare_dflash_inputs", recorded)
+    zeros = torch.zeros(4, dtype=torch.int64)
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    spec.__dict__.update(
+        input_buffers=SimpleNamespace(
+            input_ids=zeros, positions=zeros, query_start_loc=zeros, seq_lens=zeros
+        ),
+        block_tables=SimpleNamespace(
+            slot_mappings=[zeros],
+            input_block_tables=[torch.zeros(2, 3, dtype=torch.int32)],
+            kernel_block_sizes=[16],
+        ),
+        draft_kv_cache_group_ids=[0],
+        _context_slot_mappings=[zeros],
+        context_positions=zeros,
+        sample_indices=zeros,
+        sample_pos=zeros,
+        sample_idx_mapping=zeros,
+        parallel_drafting_token_id=0,
+        num_query_per_req=1 + depth,
+        num_speculative_steps=depth,
+        max_num_reqs=2,
+        max_num_tokens=max_tokens,
+        max_model_len=max_tokens,
+        sample_from_anchor=False,
+    )
+    spec.warm_up_input_kernel(zeros, zeros)
+    warmed = set(tiles)
+    assert len(calls) == len(tiles) and len(warmed) > 1
+
+    tiles.clear()
+    args = list(calls[0])
+    for query_len in range(1, max_tokens + 1):
+        args[7] = SimpleNamespace(
+            num_reqs=1,
+            num_scheduled_tokens=np.array([query_len]),
+            positions=zeros,
+            query_start_loc=zeros,
+            idx_mapping=zeros,
+        )
+        prepare(*args)
+    assert set(tiles) == warmed

@@ -260,6 +260,9 @@ class DDTreeV2ModelRunner(GPUModelRunner):
             v2_runner=True,
             walk_kv_commit=self._walk_kv_commit,
         )
+        self.speculator.warm_up_input_kernel(
+            self.req_states.last_sampled_tokens, self.req_states.next_prefill_tokens
+        )
 
     # The same sizes decide whether V2 captures, and schedules, a full batch
     # of full trees.

@@ -23,9 +23,13 @@ precompute and CUDA graphs stay vLLM's). Three things change:
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_speculator
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.config import get_ddtree_config
@@ -90,6 +94,64 @@ class DDTreeSpeculator(DFlashSpeculator):
             super().init_cudagraph_manager(cudagraph_mode)
         finally:
             spec.num_speculative_tokens_per_batch_size = schedule
+
+    def warm_up_input_kernel(
+        self, last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor
+    ) -> None:
+        """Compile every tile of DFlash's input preparation before serving
+        (``last_sampled`` / ``next_prefill_tokens``: the runner's request
+        states, as it passes them to :meth:`propose`).
+
+        vLLM's ``prepare_dflash_inputs`` tiles a request's context and
+        queries by the batch's longest query plus the drafter's queries,
+        rounded up to a power of two: a compile-time constant, so a tile
+        first needed mid-serving compiles then (150 ms on an H100: the first
+        step of a profiled batch-16 run). vLLM's warm-up meets the tiles of
+        its dummy batches and a chain's decode steps, with short queries,
+        meet DFlash's small tile early on. A DDTree step verifies ``1 + B``
+        tokens a request: until a step is made only of short prefills (a
+        prompt whose prefix is cached), the small tile never runs, and such
+        a step came first in every timed benchmark run after a warm-up on
+        the same prompts. Here one request with each power-of-two query
+        length up to the batch's token budget reaches them all.
+        """
+        device = self.input_buffers.positions.device
+        query_len = 1
+        while query_len <= self.max_num_tokens:
+            batch = SimpleNamespace(
+                num_reqs=1,
+                num_scheduled_tokens=np.array([query_len]),
+                positions=torch.zeros(query_len, dtype=torch.int64, device=device),
+                query_start_loc=torch.tensor(
+                    [0, query_len], dtype=torch.int32, device=device
+                ),
+                idx_mapping=torch.zeros(1, dtype=torch.int32, device=device),
+            )
+            for i, gid in enumerate(self.draft_kv_cache_group_ids):
+                dflash_speculator.prepare_dflash_inputs(
+                    self.input_buffers,
+                    self.block_tables.slot_mappings[gid],
+                    self.context_positions,
+                    self._context_slot_mappings[i],
+                    self.sample_indices,
+                    self.sample_pos,
+                    self.sample_idx_mapping,
+                    batch,
+                    torch.ones(1, dtype=torch.int32, device=device),
+                    torch.zeros(1, dtype=torch.int32, device=device),
+                    last_sampled,
+                    next_prefill_tokens,
+                    self.block_tables.input_block_tables[gid],
+                    self.block_tables.kernel_block_sizes[gid],
+                    self.parallel_drafting_token_id,
+                    self.num_query_per_req,
+                    self.num_speculative_steps,
+                    self.max_num_reqs,
+                    self.max_num_tokens,
+                    self.max_model_len,
+                    self.sample_from_anchor,
+                )
+            query_len *= 2
 
     @property
     def req_tree_shapes(self) -> tuple[torch.Tensor, torch.Tensor]:
