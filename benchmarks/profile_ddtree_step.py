@@ -259,13 +259,20 @@ def triton_compiles(run: Any) -> list[tuple[float, str]]:
     equal to 1 or divisible by 16) the kernel had not seen compiles a
     variant, or loads it from the disk cache, in that step. An engine warmed
     up on the same requests should compile none; one that does shows it as
-    a slow step."""
+    a slow step. Each is named with its compile-time arguments (which
+    variant: e.g. a tile size no earlier step used)."""
     from triton import knobs
 
     compiled: list[tuple[float, str]] = []
 
-    def on_compile(*, fn, **_) -> None:
-        compiled.append((time.perf_counter(), fn.name))
+    def on_compile(*, fn, compile, **_) -> None:
+        names = fn.jit_function.arg_names
+        constants = ", ".join(
+            f"{names[path[0]]}={value}"
+            for path, value in compile["constants"].items()
+            if len(path) == 1
+        )
+        compiled.append((time.perf_counter(), f"{fn.name}({constants})"))
 
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = on_compile

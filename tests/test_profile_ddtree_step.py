@@ -16,6 +16,7 @@ from benchmarks.profile_ddtree_step import (
     _unpatch,
     step_times,
     time_phases,
+    triton_compiles,
 )
 from vllm_ddtree.v1.attention.backends.tree_attn import UniformTreeBuffers
 from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree import rejection_sampler
@@ -83,6 +84,28 @@ def test_step_times_split_mixed_and_decode_steps():
         for s in slowest["slowest_steps"]
     ] == [(4, 8.0, True, ["walk", "lay_out"]), (1, 7.0, True, [])]
     assert slowest["triton_compiles"] == 3
+
+
+def test_triton_compiles_names_the_variant():
+    """Each compile in the run is named by its kernel and compile-time
+    arguments, as Triton's cache hook reports them (the kernel's own and
+    the hook's previous value are back afterwards)."""
+    from triton import knobs
+
+    fn = SimpleNamespace(
+        name="_prepare_inputs",
+        jit_function=SimpleNamespace(arg_names=["x", "n", "BLOCK"]),
+    )
+
+    def run() -> None:
+        knobs.runtime.jit_cache_hook(
+            key="k", repr="r", fn=fn, compile={"constants": {(2,): 32, (1, 0): 7}}
+        )
+
+    previous = knobs.runtime.jit_cache_hook
+    compiled = triton_compiles(run)
+    assert [name for _, name in compiled] == ["_prepare_inputs(BLOCK=32)"]
+    assert knobs.runtime.jit_cache_hook is previous
 
 
 def test_phases_are_split_between_mixed_and_decode_steps(monkeypatch):
