@@ -13,6 +13,7 @@ keeps every request's tree by request-state slot and returns its nodes.
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import numpy as np
@@ -240,14 +241,14 @@ def test_warm_up_input_kernel_meets_every_tile(monkeypatch, depth, max_tokens):
     assert len(calls) == len(tiles) and len(warmed) > 1
 
     tiles.clear()
-    args = list(calls[0])
+    call = inspect.signature(prepare).bind(*calls[0])
     for query_len in range(1, max_tokens + 1):
-        args[7] = SimpleNamespace(
+        call.arguments["input_batch"] = SimpleNamespace(
             num_reqs=1,
             num_scheduled_tokens=np.array([query_len]),
             positions=zeros,
             query_start_loc=zeros,
             idx_mapping=zeros,
         )
-        prepare(*args)
+        prepare(*call.args, **call.kwargs)
     assert set(tiles) == warmed
