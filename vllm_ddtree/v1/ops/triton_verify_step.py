@@ -169,9 +169,8 @@ def lay_out_trees_triton(
     if fill:
         mask = uniform.buffers.mask
     elif pack:
-        num_masks = int(layout.host_num_nodes[layout.host_tree_rows].sum())
         words = triton.cdiv(width, 32)
-        mask = torch.empty(num_masks, words, dtype=torch.int32, device=device)
+        mask = torch.empty(layout.tree_total, words, dtype=torch.int32, device=device)
     else:
         # Neither FILL nor PACK: no masks written, any int32 pointer will do.
         mask = rows[0][None]

@@ -53,8 +53,10 @@ class StagedLayout:
     masks when the trees' masks are packed one after another); ``rows`` the
     sampler's maps;
     ``extra`` any arrays the caller added to the copy. ``width`` is the
-    widest row, ``total`` the batch's token count; the ``host_*`` arrays are
-    what the tree attention info needs on the host.
+    widest row, ``total`` the batch's token count, ``tree_total`` its tree
+    rows' (the rows of their packed masks); the ``host_*`` arrays are
+    what the tree attention info needs on the host: the tree rows, their
+    node counts and first tokens.
     """
 
     num_nodes: torch.Tensor
@@ -71,9 +73,10 @@ class StagedLayout:
     extra: list[torch.Tensor]
     width: int
     total: int
-    host_num_nodes: np.ndarray
-    host_root_index: np.ndarray
+    tree_total: int
     host_tree_rows: np.ndarray
+    host_tree_nodes: np.ndarray
+    host_tree_q_start: np.ndarray
 
 
 def stage_layout(
@@ -94,6 +97,7 @@ def stage_layout(
     tree_index = np.full(len(num_nodes), -1, dtype=np.int64)
     tree_index[tree_rows] = np.arange(len(tree_rows))
     tree_nodes = num_nodes[tree_rows]
+    tree_q_start = root_index[tree_rows]
     uploaded = staging.upload(
         num_nodes,
         root_index,
@@ -102,7 +106,7 @@ def stage_layout(
         node_ids,
         tree_rows,
         tree_nodes,
-        root_index[tree_rows],
+        tree_q_start,
         tree_index,
         np.cumsum(tree_nodes) - tree_nodes,
         *rows_host,
@@ -115,9 +119,10 @@ def stage_layout(
         extra=uploaded[num_fields + num_rows :],
         width=int(num_nodes.max()),
         total=int(query_end[-1]),
-        host_num_nodes=num_nodes,
-        host_root_index=root_index,
+        tree_total=int(tree_nodes.sum()),
         host_tree_rows=tree_rows,
+        host_tree_nodes=tree_nodes,
+        host_tree_q_start=tree_q_start,
     )
 
 
@@ -255,7 +260,6 @@ def tree_attention_info(
     tree_rows = layout.host_tree_rows
     if not len(tree_rows):
         return None
-    counts = layout.host_num_nodes[tree_rows]
     return TreeAttentionInfo(
         req_rows=rows.req_rows,
         q_start=rows.q_start,
@@ -264,10 +268,10 @@ def tree_attention_info(
         parents=rows.parents,
         max_depth=max_depth,
         req_rows_cpu=tree_rows.tolist(),
-        q_start_cpu=layout.host_root_index[tree_rows].tolist(),
-        num_nodes_cpu=counts.tolist(),
+        q_start_cpu=layout.host_tree_q_start.tolist(),
+        num_nodes_cpu=layout.host_tree_nodes.tolist(),
         ctx_len_cpu=ctx_len_bound[tree_rows].tolist(),
-        covers_batch=int(counts.sum()) == layout.total,
+        covers_batch=layout.tree_total == layout.total,
         packed=rows.packed_mask,
     )
 
