@@ -116,6 +116,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         length up to the batch's token budget reaches them all.
         """
         device = self.input_buffers.positions.device
+        # One request, its last step sampled one token and rejected none.
+        num_sampled = torch.ones(1, dtype=torch.int32, device=device)
+        num_rejected = torch.zeros(1, dtype=torch.int32, device=device)
         query_len = 1
         while query_len <= self.max_num_tokens:
             batch = SimpleNamespace(
@@ -125,7 +128,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                 query_start_loc=torch.tensor(
                     [0, query_len], dtype=torch.int32, device=device
                 ),
-                idx_mapping=torch.zeros(1, dtype=torch.int32, device=device),
+                idx_mapping=torch.zeros_like(num_rejected),
             )
             for i, gid in enumerate(self.draft_kv_cache_group_ids):
                 dflash_speculator.prepare_dflash_inputs(
@@ -137,8 +140,8 @@ class DDTreeSpeculator(DFlashSpeculator):
                     self.sample_pos,
                     self.sample_idx_mapping,
                     batch,
-                    torch.ones(1, dtype=torch.int32, device=device),
-                    torch.zeros(1, dtype=torch.int32, device=device),
+                    num_sampled,
+                    num_rejected,
                     last_sampled,
                     next_prefill_tokens,
                     self.block_tables.input_block_tables[gid],
