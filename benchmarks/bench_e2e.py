@@ -30,8 +30,17 @@ row.  Reported per (method, budget, batch, temperature):
   scores are far more frequent, so whole outputs differ more often: a
   share below 100% there is a reason to compare tokens, not yet a bug.
 
-Results accumulate in ``OUT/rows/*.json`` (one file per engine), so a sweep can
-be split over several time-limited calls; each call rewrites
+``--rounds N`` keeps every engine alive at once (sharing the device memory)
+and times each (batch, T) N times, the engines taking turns row by row: a
+round's rows run within seconds of each other, so a machine whose speed
+drifts between runs slows a round's rows alike (host-bound steps of a
+small model drifted up to 2x between runs on one H100). The table then shows each row's median round, the
+range of its tok/s, and ratios as the median (and range) of per-round
+ratios.
+
+Results accumulate in ``OUT/rows/*.json`` (one file per engine; a later call
+replaces only the (batch, T) points it times again), so a sweep can be
+split over several time-limited calls; each call rewrites
 ``OUT/results.json``, ``OUT/table.md`` and, if matplotlib is installed, the
 plots ``OUT/speedup_vs_budget_T*.png`` (per temperature, every DDTree and
 DFlash variant) and ``OUT/acceptance_hist.png``. Adaptive
@@ -62,6 +71,7 @@ so that the runner's own per-step cost can be told from DDTree's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -69,10 +79,13 @@ import math
 import os
 import random
 import signal
+import socket
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -225,7 +238,11 @@ def run_steady(
     return [outputs[str(k)] for k in range(submitted)]
 
 
-def run_worker(job: dict) -> list[dict]:
+def run_worker(job: dict, conn: Connection) -> None:
+    """Serve ``job``'s engine to the driver over ``conn``: ``{"ready": True}``
+    once the engine is up, then one row per ``(batch, temperature, round)``
+    command until ``None``. The first command of a (batch, temperature)
+    warms that shape up before it is timed."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -264,88 +281,91 @@ def run_worker(job: dict) -> list[dict]:
         outs = llm.generate(list(prompts), list(params), use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    rows = []
     is_ddtree = _base_method(job["method"]) == "ddtree"
-    for temperature in job["temperatures"]:
-        for batch in job["batch_sizes"]:
-            # Warm-up at this shape and sampling mode (lazy compiles, graphs),
-            # twice: the timed run starts with the same prompts, whose
-            # prefixes the first wave cached, so its first step (short
+    warm: set[tuple[int, float]] = set()
+
+    def measure(batch: int, temperature: float) -> dict:
+        if (batch, temperature) not in warm:
+            # Warm-up at this shape and sampling mode (lazy compiles,
+            # graphs), twice: the timed run starts with the same prompts,
+            # whose prefixes the first wave cached, so its first step (short
             # prefills only) has the shapes of the second wave's, not the
             # first's.
             for _ in range(2):
                 wave(0, batch, temperature, 4)
-            min_requests = batch * max(1, math.ceil(job["min_requests"] / batch))
-            before = _counters(llm)
-            start = time.perf_counter()
-            enough = _enough(min_requests, job["min_seconds"], start)
-            if job["steady"]:
-                requests = functools.partial(
-                    request, temperature=temperature, max_tokens=job["max_tokens"]
-                )
-                outputs = run_steady(llm, requests, batch, enough)
-            else:
-                outputs = []
-                while not enough(len(outputs)):
-                    outputs += wave(len(outputs), batch, temperature, job["max_tokens"])
-            seconds = time.perf_counter() - start
-            tokens = sum(map(len, outputs))
+            warm.add((batch, temperature))
+        min_requests = batch * max(1, math.ceil(job["min_requests"] / batch))
+        before = _counters(llm)
+        start = time.perf_counter()
+        enough = _enough(min_requests, job["min_seconds"], start)
+        if job["steady"]:
+            requests = functools.partial(
+                request, temperature=temperature, max_tokens=job["max_tokens"]
+            )
+            outputs = run_steady(llm, requests, batch, enough)
+        else:
+            outputs = []
+            while not enough(len(outputs)):
+                outputs += wave(len(outputs), batch, temperature, job["max_tokens"])
+        seconds = time.perf_counter() - start
+        tokens = sum(map(len, outputs))
+        after = _counters(llm)
+        drafts = after["drafts"] - before["drafts"]
+        draft_tokens = after["draft_tokens"] - before["draft_tokens"]
+        accepted = after["accepted"] - before["accepted"]
+        steps = after["steps"] - before["steps"]
+        per_pos = [
+            a - b
+            for a, b in zip(
+                after["per_pos"],
+                before["per_pos"] or [0] * len(after["per_pos"]),
+                strict=True,
+            )
+        ]
+        return {
+            "method": job["method"],
+            "budget": job["budget"],
+            "adaptive_budget": is_ddtree and not job["fixed_budget"],
+            "flash_context": is_ddtree and job["flash_context"],
+            "schedule": job["schedule"] if is_ddtree else None,
+            "async_scheduling": async_scheduling,
+            "steady": job["steady"],
+            "batch": batch,
+            "temperature": temperature,
+            "requests": len(outputs),
+            "tokens": tokens,
+            "seconds": seconds,
+            "tok_s": tokens / seconds,
+            "steps": steps,
+            "step_ms": 1e3 * seconds / steps if steps else float("nan"),
+            "drafts": drafts,
+            # Mean nodes verified per draft: the tree size adaptive budgets
+            # chose (B for fixed ones, 15 for DFlash).
+            "nodes_per_draft": draft_tokens / drafts if drafts else 0.0,
+            "accepted": accepted,
+            "tau": 1.0 + accepted / drafts if drafts else 1.0,
             # Every method runs the same first requests (same prompts, same
             # seeds at T > 0): their outputs compare across methods.
-            digests = [output_digest(ids) for ids in outputs[:batch]]
-            after = _counters(llm)
-            drafts = after["drafts"] - before["drafts"]
-            draft_tokens = after["draft_tokens"] - before["draft_tokens"]
-            accepted = after["accepted"] - before["accepted"]
-            steps = after["steps"] - before["steps"]
-            per_pos = [
-                a - b
-                for a, b in zip(
-                    after["per_pos"],
-                    before["per_pos"] or [0] * len(after["per_pos"]),
-                    strict=True,
-                )
-            ]
-            rows.append(
-                {
-                    "method": job["method"],
-                    "budget": job["budget"],
-                    "adaptive_budget": is_ddtree and not job["fixed_budget"],
-                    "flash_context": is_ddtree and job["flash_context"],
-                    "schedule": job["schedule"] if is_ddtree else None,
-                    "async_scheduling": async_scheduling,
-                    "steady": job["steady"],
-                    "batch": batch,
-                    "temperature": temperature,
-                    "requests": len(outputs),
-                    "tokens": tokens,
-                    "seconds": seconds,
-                    "tok_s": tokens / seconds,
-                    "steps": steps,
-                    "step_ms": 1e3 * seconds / steps if steps else float("nan"),
-                    "drafts": drafts,
-                    # Mean nodes verified per draft: the tree size adaptive
-                    # budgets chose (B for fixed ones, 15 for DFlash).
-                    "nodes_per_draft": draft_tokens / drafts if drafts else 0.0,
-                    "accepted": accepted,
-                    "tau": 1.0 + accepted / drafts if drafts else 1.0,
-                    "output_digests": digests,
-                    "accept_hist": _trim_histogram(
-                        acceptance_histogram(per_pos, drafts)
-                    )
-                    if drafts
-                    else [],
-                }
-            )
-            r = rows[-1]
-            print(
-                f"[bench_e2e] {r['method']} B={r['budget']} batch={batch} "
-                f"T={temperature}: {r['tok_s']:.1f} tok/s tau={r['tau']:.2f} "
-                f"step={r['step_ms']:.2f} ms",
-                flush=True,
-            )
+            "output_digests": [output_digest(ids) for ids in outputs[:batch]],
+            "accept_hist": _trim_histogram(acceptance_histogram(per_pos, drafts))
+            if drafts
+            else [],
+        }
+
+    conn.send({"ready": True})
+    while (command := conn.recv()) is not None:
+        row = {
+            **measure(command["batch"], command["temperature"]),
+            "round": command["round"],
+        }
+        print(
+            f"[bench_e2e] {row['method']} B={row['budget']} batch={row['batch']} "
+            f"T={row['temperature']} round {row['round']}: {row['tok_s']:.1f} tok/s "
+            f"tau={row['tau']:.2f} step={row['step_ms']:.2f} ms",
+            flush=True,
+        )
+        conn.send(row)
     llm.llm_engine.engine_core.shutdown()
-    return rows
 
 
 # ----------------------------------------------------------------------------
@@ -354,7 +374,20 @@ def run_worker(job: dict) -> list[dict]:
 
 
 def _key(r: dict) -> tuple:
-    return (r["batch"], r["temperature"], r.get("steady", False))
+    """The rows a row compares with: same batch size, temperature, mode and
+    round (rows of one round ran back to back, engine after engine)."""
+    return (r["batch"], r["temperature"], r.get("steady", False), r.get("round", 0))
+
+
+def _variant_key(r: dict) -> tuple:
+    """One engine's rows at one (batch, temperature): its rounds."""
+    schedule = json.dumps(r.get("schedule"))
+    flags = (
+        r.get("adaptive_budget"),
+        r.get("flash_context"),
+        r.get("async_scheduling"),
+    )
+    return (r["method"], r["budget"], schedule, *flags, *_key(r)[:3])
 
 
 def output_digest(token_ids: list[int]) -> str:
@@ -365,7 +398,7 @@ def output_digest(token_ids: list[int]) -> str:
 
 def add_ratios(rows: list[dict]) -> list[dict]:
     """Attach ``vs_dflash`` / ``vs_nospec`` tok/s ratios to every row (the
-    baselines at the same batch size and temperature), and ``same_as_nospec``:
+    baselines at the same batch size, temperature and round), and ``same_as_nospec``:
     the share of the first wave's requests whose output equals no-spec's
     (greedy, or seeded where the method draws as no-spec does)."""
     base: dict[str, dict[tuple, float]] = {"nospec": {}, "dflash": {}}
@@ -386,6 +419,42 @@ def add_ratios(rows: list[dict]) -> list[dict]:
             else None
         )
     return rows
+
+
+def combine_rounds(rows: list[dict]) -> list[dict]:
+    """One row per engine and (batch, temperature) from its rounds (rows
+    with ratios): the round of median tok/s stands for them (its tau, step
+    time, outputs), with ``rounds``, ``tok_s_range``, the median of the
+    per-round ratios and their ranges (``vs_*_range``), and the lowest
+    ``same_as_nospec``. Ratios pair rounds because a shared machine's speed
+    drifts over minutes: a round's rows ran within seconds of each other."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(_variant_key(r), []).append(r)
+    combined = []
+    for runs in groups.values():
+        tok_s = [r["tok_s"] for r in runs]
+        middle = statistics.median_low(tok_s)
+        row = {k: v for k, v in runs[tok_s.index(middle)].items() if k != "round"}
+        row["rounds"] = len(runs)
+        row["tok_s_range"] = [min(tok_s), max(tok_s)]
+        for name in ("vs_dflash", "vs_nospec"):
+            ratios = [r[name] for r in runs if r.get(name) is not None]
+            row[name] = statistics.median(ratios) if ratios else None
+            row[f"{name}_range"] = [min(ratios), max(ratios)] if ratios else None
+        same = [
+            r["same_as_nospec"] for r in runs if r.get("same_as_nospec") is not None
+        ]
+        row["same_as_nospec"] = min(same) if same else None
+        combined.append(row)
+    return combined
+
+
+def _fmt_range(x: float | None, bounds: list[float] | None, spec: str) -> str:
+    """``x``, and the range it is the median of when rounds disagree."""
+    if bounds is None or bounds[0] == bounds[1]:
+        return _fmt(x, spec)
+    return f"{_fmt(x, spec)} ({bounds[0]:{spec}}-{bounds[1]:{spec}})"
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -419,9 +488,11 @@ def table(rows: list[dict]) -> str:
         method = _variant(r)
         lines.append(
             f"| {r['batch']} | {r['temperature']:g} | {method} | {budget} "
-            f"| {_fmt(nodes, '.1f')} | {r['tok_s']:.1f} | {_fmt(tau, '.2f')} "
-            f"| {r['step_ms']:.2f} "
-            f"| {_fmt(r['vs_dflash'], '.2f')} | {_fmt(r['vs_nospec'], '.2f')} "
+            f"| {_fmt(nodes, '.1f')} "
+            f"| {_fmt_range(r['tok_s'], r.get('tok_s_range'), '.1f')} "
+            f"| {_fmt(tau, '.2f')} | {r['step_ms']:.2f} "
+            f"| {_fmt_range(r['vs_dflash'], r.get('vs_dflash_range'), '.2f')} "
+            f"| {_fmt_range(r['vs_nospec'], r.get('vs_nospec_range'), '.2f')} "
             f"| {_fmt(r.get('same_as_nospec'), '.0%')} |"
         )
     return "\n".join(lines) + "\n"
@@ -587,9 +658,10 @@ def report(out: Path) -> list[dict]:
         data = json.loads(path.read_text())
         rows.extend(data["rows"])
         meta = {k: v for k, v in data.items() if k != "rows"}
-    rows = add_ratios(rows)
+    runs = add_ratios(rows)
+    rows = combine_rounds(runs)
     (out / "results.json").write_text(
-        json.dumps({"settings": meta, "rows": rows}, indent=2) + "\n"
+        json.dumps({"settings": meta, "rows": rows, "runs": runs}, indent=2) + "\n"
     )
     text = table(rows)
     (out / "table.md").write_text(text)
@@ -639,6 +711,107 @@ def _tokens_needed(args) -> int:
     return args.prompt_len + args.max_tokens + 1 + tree + 1 + DFLASH_DRAFTS
 
 
+def _tag(job: dict, args) -> str:
+    """The engine's name: its rows file and its lines in the log."""
+    ddtree = _base_method(job["method"]) == "ddtree"
+    parts = [job["method"], f"B{job['budget']}" if job["budget"] else ""]
+    if ddtree:
+        parts.append(
+            "by-batch" if args.schedule else "fixed" if args.fixed_budget else ""
+        )
+        parts.append("flashctx" if args.flash_context else "")
+    parts += ["async" if args.async_scheduling else "", "steady" if args.steady else ""]
+    return "-".join(p for p in parts if p)
+
+
+def merged_rows(earlier: list[dict], new: list[dict]) -> list[dict]:
+    """An engine's rows after a call: ``new``, and the ``earlier`` ones at the
+    (batch, temperature) points it did not time again (all of a point's
+    rounds go together)."""
+    points = {(r["batch"], r["temperature"]) for r in new}
+    return [r for r in earlier if (r["batch"], r["temperature"]) not in points] + new
+
+
+class EngineWorker:
+    """The driver's side of one engine's worker process (:func:`run_worker`).
+
+    The worker runs in a session of its own, so that on a failure or a
+    timeout the whole group goes, the engine-core process (which holds the
+    device memory) included. ``timeout``: seconds the driver waits for it in
+    all (start-up and rows). Rows go to ``job["result"]`` as they come, beside
+    the rows an earlier call left there at other (batch, temperature)
+    points: a sweep split over time-limited calls keeps them all."""
+
+    def __init__(self, job: dict, out: Path, timeout: float) -> None:
+        self.job = job
+        self.time_left = timeout
+        self.result = Path(job["result"])
+        self.kept = (
+            json.loads(self.result.read_text())["rows"] if self.result.exists() else []
+        )
+        self.rows: list[dict] = []
+        spec_path = self.result.with_name(f".{job['tag']}.job")
+        spec_path.write_text(json.dumps(job))
+        env = dict(os.environ)
+        if job["method"].endswith(V1_SUFFIX):
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        print(f"[bench_e2e] engine {job['tag']}", flush=True)
+        parent, child = socket.socketpair()
+        with child:
+            worker = ["--worker", str(spec_path), "--worker-fd", str(child.fileno())]
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__, "--out", str(out), *worker],
+                pass_fds=(child.fileno(),),
+                start_new_session=True,
+                env=env,
+            )
+        self.conn = Connection(parent.detach())
+        self.alive = self._receive() is not None
+        spec_path.unlink()
+
+    def _receive(self) -> dict | None:
+        """The worker's next message; ``None`` (and the worker stopped) once
+        it failed or ran out of time."""
+        start = time.monotonic()
+        try:
+            message = self.conn.recv() if self.conn.poll(self.time_left) else None
+        except (EOFError, OSError):
+            message = None
+        self.time_left -= time.monotonic() - start
+        if message is None:
+            reason = "timed out" if self.time_left <= 0 else "failed"
+            print(f"[bench_e2e] {self.job['tag']} {reason}", flush=True)
+            self._stop()
+        return message
+
+    def _stop(self) -> None:
+        self.alive = False
+        self.conn.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def measure(self, batch: int, temperature: float, round_: int) -> None:
+        """One timed row (skipped once the worker is gone)."""
+        if not self.alive:
+            return
+        self.conn.send({"batch": batch, "temperature": temperature, "round": round_})
+        if (row := self._receive()) is None:
+            return
+        self.rows.append(row)
+        rows = merged_rows(self.kept, self.rows)
+        self.result.write_text(json.dumps({**self.job, "rows": rows}, indent=2) + "\n")
+
+    def close(self) -> None:
+        """Let the worker shut its engine down, within its time left."""
+        if not self.alive:
+            return
+        self.conn.send(None)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=max(self.time_left, 1.0))
+        self._stop()
+
+
 def _engine_settings(args) -> dict:
     """Identical for every method; only ``speculative_config`` differs."""
     on_gpu = _on_gpu()
@@ -655,8 +828,9 @@ def _engine_settings(args) -> dict:
             args.max_model_len, max(args.batch_sizes) * per_request
         ),
         "enforce_eager": args.enforce_eager or not on_gpu,
+        # Engines alive at once (--rounds) share the default.
         "gpu_memory_utilization": args.gpu_memory_utilization
-        or (0.85 if on_gpu else 0.3),
+        or (0.85 if on_gpu else 0.3) / (len(_jobs(args)) if args.rounds > 1 else 1),
         "seed": 0,
         "disable_log_stats": False,
         # The same for everyone: DDTree's adaptive budgets need synchronous
@@ -770,13 +944,22 @@ def main(argv: list[str] | None = None) -> None:
         "finishes) instead of running waves",
     )
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every (batch, T) this many times with all engines alive at "
+        "once (each a share of the device memory), taking turns row by row; the "
+        "table shows medians and ranges, ratios paired by round",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-fd", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.worker:
-        job = json.loads(Path(args.worker).read_text())
-        rows = run_worker(job)
-        Path(job["result"]).write_text(json.dumps({**job, "rows": rows}, indent=2))
+        run_worker(
+            json.loads(Path(args.worker).read_text()), Connection(args.worker_fd)
+        )
         return
     if args.report_only:
         report(args.out)
@@ -790,6 +973,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--async-scheduling with ddtree needs --fixed-budget")
     if "ddtree-v2" in args.methods and not args.fixed_budget:
         ap.error("ddtree-v2 needs --fixed-budget (V2 has no adaptive budgets)")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: give 1 or more")
     if args.schedule and not args.fixed_budget:
         ap.error("--schedule needs --fixed-budget (it sizes the trees instead)")
     prompts_file = None
@@ -815,25 +1000,15 @@ def main(argv: list[str] | None = None) -> None:
     rows_dir = args.out / "rows"
     rows_dir.mkdir(parents=True, exist_ok=True)
     engine = _engine_settings(args)
+    jobs = []
     for job in _jobs(args):
-        tag = f"{job['method']}" + (f"-B{job['budget']}" if job["budget"] else "")
-        if _base_method(job["method"]) == "ddtree" and args.schedule:
-            tag += "-by-batch"
-        elif _base_method(job["method"]) == "ddtree" and args.fixed_budget:
-            tag += "-fixed"
-        if _base_method(job["method"]) == "ddtree" and args.flash_context:
-            tag += "-flashctx"
-        if args.async_scheduling:
-            tag += "-async"
-        if args.steady:
-            tag += "-steady"
         job.update(
+            tag=_tag(job, args),
             target=args.target,
             drafter=args.drafter,
             prompts_file=prompts_file,
             prompt_len=args.prompt_len,
             batch_sizes=args.batch_sizes,
-            temperatures=args.temperatures,
             max_tokens=args.max_tokens,
             min_requests=args.min_requests,
             min_seconds=args.min_seconds,
@@ -842,28 +1017,23 @@ def main(argv: list[str] | None = None) -> None:
             fixed_budget=args.fixed_budget,
             flash_context=args.flash_context,
             schedule=args.schedule,
-            result=str(rows_dir / f"{tag}.json"),
         )
-        spec_path = rows_dir / f".{tag}.job"
-        spec_path.write_text(json.dumps(job))
-        print(f"[bench_e2e] engine {tag}", flush=True)
-        # Own session: on a timeout the whole group goes, the engine-core
-        # process (which holds the GPU memory) included.
-        worker = [sys.executable, __file__, "--out", str(args.out)]
-        env = dict(os.environ)
-        if job["method"].endswith(V1_SUFFIX):
-            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        proc = subprocess.Popen(
-            [*worker, "--worker", str(spec_path)], start_new_session=True, env=env
-        )
-        try:
-            if proc.wait(timeout=args.job_timeout):
-                print(f"[bench_e2e] {tag} failed (rc {proc.returncode})", flush=True)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            print(f"[bench_e2e] {tag} timed out", flush=True)
-        spec_path.unlink()
+        job["result"] = str(rows_dir / f"{job['tag']}.json")
+        jobs.append(job)
+    # One round: one engine at a time, with all the memory. Several: every
+    # engine alive at once, taking turns row by row.
+    for group in [jobs] if args.rounds > 1 else [[job] for job in jobs]:
+        workers = [EngineWorker(job, args.out, args.job_timeout) for job in group]
+        for temperature in args.temperatures:
+            for batch in args.batch_sizes:
+                for round_ in range(args.rounds):
+                    # Each round starts with another engine: none is always
+                    # the first after a pause.
+                    first = round_ % len(workers)
+                    for worker in workers[first:] + workers[:first]:
+                        worker.measure(batch, temperature, round_)
+        for worker in workers:
+            worker.close()
     report(args.out)
 
 

@@ -219,6 +219,10 @@ train_pair() {  # MINUTES LIMIT: the h200 preset into /tmp/pair-h200
 # one table ($OUT/TABLE.{json,md}) that grows over the calls. Every call sizes
 # the engines for the grid's widest tree (E2E_SIZE), so the rows of all calls
 # share one set of engine settings and their ratios compare like with like.
+# E2E_ROUNDS=N: the engines alive together, taking turns N times per row,
+# ratios paired by round (the pair's steps are host-bound, the device busy
+# ~1 ms of 3.6-5.2, and DFlash's batch-16 greedy row ranged 7,767-15,987
+# tok/s over five runs on one H100, 2026-12-07).
 # CUDA graphs up to E2E_CAPTURE tokens (64 trees of 65 nodes; vLLM's default
 # of 512 left DDTree's batch-16 and batch-64 steps, and DFlash's at batch 64,
 # without graphs in the first run, 2026-12-04).
@@ -226,7 +230,8 @@ e2e_pair() {
   step "$2-${3//,/+}-${4//,/+}" "$1" python3 benchmarks/bench_e2e.py --pair /tmp/pair-h200 \
     --out "/tmp/$2" --methods "$3" --budgets "$4" --batch-sizes "${E2E_BATCH_SIZES:-1,16,64}" \
     --size-for-budget "${E2E_SIZE:-256}" --max-cudagraph-capture-size "${E2E_CAPTURE:-4160}" \
-    --temperatures 0,1 --job-timeout 240 ${E2E_STEADY:+--steady} "${@:5}"
+    --temperatures 0,1 --job-timeout $((240 * ${E2E_ROUNDS:-1})) ${E2E_STEADY:+--steady} \
+    ${E2E_ROUNDS:+--rounds "$E2E_ROUNDS"} "${@:5}"
   e2e_report "$2"
   cp "/tmp/$2"/*.png "$out/" 2>/dev/null
 }

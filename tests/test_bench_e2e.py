@@ -6,6 +6,7 @@ are sized so that a grid split over several runs keeps one set of them."""
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ import pytest
 
 from benchmarks.bench_e2e import (
     DFLASH_DRAFTS,
+    EngineWorker,
     _engine_settings,
     _enough,
     _schedule,
@@ -22,7 +24,10 @@ from benchmarks.bench_e2e import (
     add_ratios,
     batch_schedule,
     batch_schedules,
+    combine_rounds,
     histogram_rows,
+    main,
+    merged_rows,
     output_digest,
     speedup_series,
     table,
@@ -78,6 +83,7 @@ def test_ratios_and_table():
                 "dflash",
                 200.0,
                 DFLASH_DRAFTS,
+                EngineWorker,
                 nodes_per_draft=15.0,
                 output_digests=[reference[0], output_digest([8, 10])],
             ),
@@ -104,6 +110,95 @@ def test_ratios_and_table():
     }
 
 
+def test_rounds_pair_ratios_and_show_ranges():
+    """Ratios pair the rows of one round (a drifting machine slows a whole
+    round, not one method); a variant's rounds combine into their median
+    with ranges, and a point timed once keeps its single-run cells."""
+    dflash = [100.0, 50.0, 120.0]
+    ddtree = [110.0, 60.0, 108.0]
+    rows = [
+        *(_row("dflash", t, round=k) for k, t in enumerate(dflash)),
+        *(_row("ddtree", t, 64, round=k) for k, t in enumerate(ddtree)),
+        _row("ddtree", 90.0, 16),
+    ]
+    combined = {(r["method"], r["budget"]): r for r in combine_rounds(add_ratios(rows))}
+    tree = combined["ddtree", 64]
+    # Per round 1.1, 1.2, 0.9; unpaired medians would say 108 / 100.
+    assert tree["vs_dflash"] == pytest.approx(1.1)
+    assert tree["vs_dflash_range"] == pytest.approx([0.9, 1.2])
+    assert (tree["rounds"], tree["tok_s"], tree["tok_s_range"]) == (
+        3,
+        108.0,
+        [60.0, 110.0],
+    )
+    assert "round" not in tree
+    alone = combined["ddtree", 16]
+    # Timed once, as round 0: against DFlash's round 0.
+    assert (alone["rounds"], alone["vs_dflash"]) == (1, 0.9)
+    cells = {
+        (c[2], c[3]): (c[5], c[8])
+        for c in (
+            [x.strip() for x in line.strip("|").split("|")]
+            for line in table(list(combined.values())).splitlines()[2:]
+        )
+    }
+    assert cells == {
+        ("dflash", "-"): ("100.0 (50.0-120.0)", "1.00"),
+        ("ddtree", "64"): ("108.0 (60.0-110.0)", "1.10 (0.90-1.20)"),
+        ("ddtree", "16"): ("90.0", "0.90"),
+    }
+
+
+def test_a_later_call_keeps_the_points_it_did_not_time():
+    earlier = [
+        _row("dflash", 1.0, batch=16, round=0),
+        _row("dflash", 2.0, batch=16, round=1),
+        _row("dflash", 3.0, batch=64),
+    ]
+    new = [_row("dflash", 4.0, batch=16)]
+    # Batch 16's two old rounds go with it; batch 64 stays.
+    assert [r["tok_s"] for r in merged_rows(earlier, new)] == [3.0, 4.0]
+
+
+def test_engines_take_turns_in_rounds(tmp_path, capfd):
+    """``--rounds 2``: both engines (tiny pair, CPU) alive at once, each
+    timing every round, the second round led by the other engine."""
+    out = tmp_path / "e2e"
+    main(
+        ["--out", str(out), "--methods", "dflash,ddtree", "--budgets", "8",
+         "--batch-sizes", "1", "--temperatures", "0", "--max-tokens", "24",
+         "--dtype", "float32",
+         "--min-requests", "1", "--min-seconds", "0", "--rounds", "2",
+         "--job-timeout", "400"]
+    )  # fmt: skip
+    log = capfd.readouterr().out
+    order = [line.split()[1] for line in log.splitlines() if " round " in line]
+    # Round 1 starts with the other engine.
+    assert order == ["dflash", "ddtree", "ddtree", "dflash"]
+    results = json.loads((out / "results.json").read_text())
+    assert sorted(r["round"] for r in results["runs"]) == [0, 0, 1, 1]
+    rows = {r["method"]: r for r in results["rows"]}
+    assert rows["dflash"]["rounds"] == rows["ddtree"]["rounds"] == 2
+    assert rows["ddtree"]["vs_dflash"] > 0
+    # (In bfloat16 on CPU the tiny pair's drafts were never accepted.)
+    assert rows["ddtree"]["tau"] > 1.0
+
+
+@pytest.mark.parametrize(("timeout", "reason"), [(120.0, "failed"), (0.5, "timed out")])
+def test_a_lost_engine_is_reported_and_skipped(tmp_path, capfd, timeout, reason):
+    """A worker that dies (no model at ``target``) or outlives the driver's
+    wait is stopped, named in the log, and its rows are skipped."""
+    job = {"tag": "nospec", "method": "nospec", "budget": None, "engine": {},
+           "target": str(tmp_path / "missing"), "batch_sizes": [1],
+           "result": str(tmp_path / "nospec.json")}  # fmt: skip
+    worker = EngineWorker(job, tmp_path, timeout)
+    assert not worker.alive and worker.proc.returncode is not None
+    worker.measure(1, 0.0, 0)
+    worker.close()
+    assert f"[bench_e2e] nospec {reason}" in capfd.readouterr().out
+    assert not (tmp_path / "nospec.json").exists()
+
+
 def test_output_digest_tells_outputs_apart():
     assert output_digest([1, 2, 3]) == output_digest([1, 2, 3])
     assert output_digest([1, 2, 3]) != output_digest([1, 2])
@@ -117,6 +212,7 @@ def _args(budgets, size_for_budget=None, async_scheduling=False):
         batch_sizes=[1, 16, 64], max_model_len=None, dtype="bfloat16",
         enforce_eager=True, gpu_memory_utilization=None, load_format="auto",
         target=str(TRAINED_TINY_DIR / "target"), max_cudagraph_capture_size=None,
+        rounds=1, methods=["dflash", "ddtree"],
     )  # fmt: skip
 
 
