@@ -34,9 +34,9 @@ row.  Reported per (method, budget, batch, temperature):
 and times each (batch, T) N times, the engines taking turns row by row: a
 round's rows run within seconds of each other, so a machine whose speed
 drifts between runs slows a round's rows alike (host-bound steps of a
-small model drifted up to 2x between runs on one H100). The table then shows each row's median round, the
-range of its tok/s, and ratios as the median (and range) of per-round
-ratios.
+small model drifted up to 2x between runs on one H100). The table then
+shows each row's median round, the range of its tok/s, and ratios as the
+median (and range) of per-round ratios.
 
 Results accumulate in ``OUT/rows/*.json`` (one file per engine; a later call
 replaces only the (batch, T) points it times again), so a sweep can be
@@ -795,7 +795,12 @@ class EngineWorker:
         """One timed row (skipped once the worker is gone)."""
         if not self.alive:
             return
-        self.conn.send({"batch": batch, "temperature": temperature, "round": round_})
+        # A worker gone since its last row breaks the send; the receive
+        # then reports it.
+        with contextlib.suppress(OSError):
+            self.conn.send(
+                {"batch": batch, "temperature": temperature, "round": round_}
+            )
         if (row := self._receive()) is None:
             return
         self.rows.append(row)
@@ -806,7 +811,8 @@ class EngineWorker:
         """Let the worker shut its engine down, within its time left."""
         if not self.alive:
             return
-        self.conn.send(None)
+        with contextlib.suppress(OSError):
+            self.conn.send(None)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=max(self.time_left, 1.0))
         self._stop()
