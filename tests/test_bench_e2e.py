@@ -83,7 +83,6 @@ def test_ratios_and_table():
                 "dflash",
                 200.0,
                 DFLASH_DRAFTS,
-                EngineWorker,
                 nodes_per_draft=15.0,
                 output_digests=[reference[0], output_digest([8, 10])],
             ),
