@@ -9,6 +9,7 @@ positions.
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,3 +55,69 @@ def test_query_buffers_cover_padded_runs(max_num_seqs, budget, max_depth, max_ca
     # DFlash's invariant: arange covers every position index it hands out.
     assert len(proposer.arange) >= proposer.max_positions + 1
     assert proposer.max_positions >= proposer.max_num_tokens + len(proposer.positions)
+
+
+@pytest.mark.parametrize(("depth", "max_tokens"), [(3, 1000), (15, 8192)])
+def test_warm_up_input_kernel_meets_every_variant(monkeypatch, depth, max_tokens):
+    """The variants of DFlash's input kernel (its ``BLOCK_SIZE`` tile, and
+    whether rejected counts are given) the warm-up compiles include those
+    vLLM's ``set_inputs_first_pass`` launches for every query length up to
+    the token budget, in plain and padded batches (the kernel replaced by a
+    recorder), with the drafter's ``max_depth`` queries per request."""
+    import vllm.v1.spec_decode.dflash as dflash_module
+
+    launched: list[tuple[int, bool, int]] = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                launched.append(
+                    (
+                        kwargs["BLOCK_SIZE"],
+                        kwargs["HAS_NUM_REJECTED"],
+                        kwargs["num_query_per_req"],
+                    )
+                )
+
+            return launch
+
+    monkeypatch.setattr(
+        dflash_module, "copy_and_expand_dflash_inputs_kernel", Recorder()
+    )
+    proposer = _proposer(max_num_seqs=2, budget=64, max_capture=None)
+    proposer.max_num_tokens = max_tokens
+    proposer.ddtree = SimpleNamespace(max_depth=depth)
+    proposer.num_speculative_tokens = 64
+    proposer.__dict__.update(
+        input_ids=None,
+        _context_positions_buffer=None,
+        _context_slot_mapping_buffer=None,
+        parallel_drafting_token_id=0,
+        block_size=16,
+        token_arange_np=np.arange(4),
+        dflash_causal=False,
+    )
+    block_table = torch.zeros(1, 4, dtype=torch.int32)
+    proposer.warm_up_input_kernel(block_table)
+    warmed = set(launched)
+    assert {q for *_, q in warmed} == {1 + depth}
+    assert proposer.num_speculative_tokens == 64  # restored
+
+    launched.clear()
+    proposer.num_speculative_tokens = depth  # as ``propose`` sets it
+    for query_len in range(1, max_tokens + 1):
+        cad = SimpleNamespace(
+            batch_size=lambda: 1,
+            max_query_len=query_len,
+            block_table_tensor=block_table,
+            query_start_loc=None,
+            seq_lens=torch.zeros(1, dtype=torch.int32),
+            seq_lens_cpu_upper_bound=None,
+            num_reqs=1,
+            max_seq_len=query_len,
+        )
+        for rejected in (None, torch.zeros(1, dtype=torch.int32)):
+            proposer.set_inputs_first_pass(
+                torch.zeros(query_len), None, None, None, None, cad, rejected
+            )
+    assert set(launched) == warmed

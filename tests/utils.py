@@ -507,6 +507,14 @@ def ddtree_kernel_names() -> set[str]:
     }
 
 
+# vLLM's kernels that DDTree's drafter steps launch with shapes of their own
+# (DFlash's input preparation, V2 and V1), compiled by DDTree's warm-up.
+DFLASH_INPUT_KERNELS = (
+    "_prepare_dflash_inputs_kernel",
+    "copy_and_expand_dflash_inputs_kernel",
+)
+
+
 @contextmanager
 def ddtree_kernels_compiled(also: Iterable[str] = ()) -> Iterator[list[str]]:
     """Collects the names of this package's Triton kernels (and of vLLM's

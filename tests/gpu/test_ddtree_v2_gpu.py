@@ -18,6 +18,7 @@ from vllm import LLM, SamplingParams
 from tests.gpu import test_ddtree_engine_gpu as v1_engine_tests
 from tests.gpu.test_ddtree_engine_gpu import ACCEPTED, MAX_TOKENS, PROMPTS
 from tests.utils import (
+    DFLASH_INPUT_KERNELS,
     ddtree_config,
     ddtree_kernels_compiled,
     fail_on_host_sync,
@@ -31,8 +32,6 @@ from tests.utils import (
 # The V1 engine tests' marks: GPU only.
 pytestmark = v1_engine_tests.pytestmark
 
-# vLLM's kernels that DDTree's drafter steps launch with shapes of their own.
-DFLASH_INPUT_KERNELS = ("_prepare_dflash_inputs_kernel",)
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 

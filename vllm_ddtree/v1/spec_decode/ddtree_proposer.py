@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 from vllm.config import VllmConfig
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
@@ -75,6 +76,56 @@ class DDTreeProposer(DFlashProposer):
         self.arange = torch.arange(
             self.max_positions + 1, dtype=torch.int32, device=self.device
         )
+
+    @torch.inference_mode()
+    def warm_up_input_kernel(self, block_table: torch.Tensor) -> None:
+        """Compile every variant of DFlash's input preparation before serving
+        (``block_table``: a one-request block table of the drafter's KV-cache
+        group).
+
+        vLLM's ``set_inputs_first_pass`` tiles a request's context and
+        queries by the batch's longest query plus the drafter's queries,
+        rounded up to a power of two (at most 256), as a compile-time
+        constant, and has a second variant for padded batches (rejected
+        counts given: every step after a verify). A tree's verify steps
+        (``1 + B`` tokens a request) meet the small tiles only once a step is
+        made of short prefills alone, mid-serving (the V2 speculator's
+        warm-up says more). One request with each power-of-two query length
+        up to the token budget, in both variants, reaches them all.
+        """
+        device = self.device
+        depth, self.num_speculative_tokens = (
+            self.num_speculative_tokens,
+            self.ddtree.max_depth,
+        )
+        next_token = torch.zeros(1, dtype=torch.int32, device=device)
+        query_len = 1
+        while query_len <= self.max_num_tokens:
+            query_start = torch.tensor([0, query_len], dtype=torch.int32)
+            cad = CommonAttentionMetadata(
+                query_start_loc=query_start.to(device),
+                query_start_loc_cpu=query_start,
+                seq_lens=query_start[1:].to(device),
+                num_reqs=1,
+                num_actual_tokens=query_len,
+                max_query_len=query_len,
+                max_seq_len=query_len,
+                block_table_tensor=block_table,
+                slot_mapping=torch.zeros(query_len, dtype=torch.int64, device=device),
+            )
+            context = torch.zeros(query_len, dtype=torch.int64, device=device)
+            for rejected in (None, torch.zeros_like(next_token)):
+                self.set_inputs_first_pass(
+                    target_token_ids=context,
+                    next_token_ids=next_token,
+                    target_positions=context,
+                    target_hidden_states=context,
+                    token_indices_to_sample=None,
+                    cad=cad,
+                    num_rejected_tokens_gpu=rejected,
+                )
+            query_len *= 2
+        self.num_speculative_tokens = depth
 
     def set_accepted_order(
         self,

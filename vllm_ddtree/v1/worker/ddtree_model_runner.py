@@ -591,12 +591,13 @@ class DDTreeModelRunnerMixin:
 
 class DDTreeGPUModelRunner(DDTreeModelRunnerMixin, GPUModelRunner):
     def warm_up_tree_kernels(self) -> None:
+        def block_table_for(gid: int) -> torch.Tensor:
+            return self.input_batch.block_table[gid].get_device_tensor(1)
+
         warm_up_tree_kernels(
-            self,
-            lambda gid: self.input_batch.block_table[gid].get_device_tensor(1),
-            SAMPLED_TOKEN_DTYPE,
-            v2_runner=False,
+            self, block_table_for, SAMPLED_TOKEN_DTYPE, v2_runner=False
         )
+        self.drafter.warm_up_input_kernel(block_table_for(self.drafter.kv_cache_gid))
 
 
 @torch.inference_mode()
