@@ -426,7 +426,7 @@ def combine_rounds(rows: list[dict]) -> list[dict]:
     with ratios): the round of median tok/s stands for them (its tau, step
     time, outputs), with ``rounds``, ``tok_s_range``, the median of the
     per-round ratios and their ranges (``vs_*_range``), and the lowest
-    ``same_as_nospec``. Ratios pair rounds because a shared machine's speed
+    ``same_as_nospec``. Ratios pair rounds because a machine's speed
     drifts over minutes: a round's rows ran within seconds of each other."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
