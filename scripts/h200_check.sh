@@ -198,13 +198,14 @@ e2e_report() {  # NAME: rebuild /tmp/NAME's table from its finished engines into
 # that finished are reported either way. E2E_BATCHES=1 for batch 1 only;
 # E2E_METHODS narrows the rows (a fresh machine's hybrid engines take ~90 s
 # each to start, so three of them barely fit one call); E2E_CAPTURE caps the
-# CUDA-graph sizes (72 holds a batch-1 tree of 65: fewer graphs to capture).
+# CUDA-graph sizes (72 holds a batch-1 tree of 65: fewer graphs to capture);
+# E2E_ROUNDS as in e2e_pair (all engines alive: each a third of the memory).
 e2e_dummy() {
   step "$1" "${E2E_LIMIT:-590}" python3 benchmarks/bench_e2e.py --out "/tmp/$1" \
     --target "benchmarks/configs/$2" --drafter "benchmarks/configs/$2-dflash" \
     --load-format dummy --methods "${E2E_METHODS:-nospec,dflash,ddtree}" --budgets 64 --fixed-budget \
     --batch-sizes "${E2E_BATCHES:-1,16}" --temperatures 0 --prompt-len 768 \
-    --max-tokens 64 --job-timeout 300 \
+    --max-tokens 64 --job-timeout $((300 * ${E2E_ROUNDS:-1})) ${E2E_ROUNDS:+--rounds "$E2E_ROUNDS"} \
     ${E2E_CAPTURE:+--max-cudagraph-capture-size "$E2E_CAPTURE"} "${@:3}"
   e2e_report "$1"
 }
