@@ -47,7 +47,9 @@ DFlash variant) and ``OUT/acceptance_hist.png``. Adaptive
 DDTree engines also yield ``OUT/schedules.json``: per engine and temperature,
 the tree size the adaptive budget chose at each batch size as vLLM's
 ``num_speculative_tokens_per_batch_size``, for engines that cannot choose
-per step (async scheduling, the V2 runner).
+per step (async scheduling, the V2 runner); fixed-budget DDTree engines
+timed at several budgets yield the fastest budget at each batch size the
+same way (with ``--rounds``, the median rounds').
 
 Trained pair (default: the committed tiny pair; prompts from held-out files)::
 
@@ -640,14 +642,30 @@ def batch_schedule(tree_sizes: dict[int, float]) -> list[list[int]]:
 
 
 def batch_schedules(rows: list[dict]) -> dict[str, list[list[int]]]:
-    """A batch-size schedule per adaptive DDTree engine and temperature of
-    the run (:func:`batch_schedule`): what an asynchronously scheduled engine
-    (or the V2 runner), which cannot size trees per step, can use instead."""
+    """Batch-size schedules (:func:`batch_schedule`) the run measured, for
+    engines that cannot size trees per step (async scheduling, the V2
+    runner): per adaptive DDTree engine and temperature, the sizes its
+    budget chose; and per fixed-budget DDTree variant (runner, scheduling,
+    mode) and temperature timed at two or more budgets, the fastest budget
+    at each batch size."""
     sizes: dict[str, dict[int, float]] = {}
+    fastest: dict[str, dict[int, dict]] = {}
+    budgets: dict[str, set[int]] = {}
     for r in rows:
-        if _base_method(r["method"]) == "ddtree" and r.get("adaptive_budget"):
+        if _base_method(r["method"]) != "ddtree" or r.get("schedule"):
+            continue
+        if r.get("adaptive_budget"):
             name = f"{r['method']} B={r['budget']} T={r['temperature']:g}"
             sizes.setdefault(name, {})[r["batch"]] = r["nodes_per_draft"]
+            continue
+        name = f"{_variant(r)} fastest fixed B T={r['temperature']:g}"
+        budgets.setdefault(name, set()).add(r["budget"])
+        best = fastest.setdefault(name, {})
+        if r["batch"] not in best or r["tok_s"] > best[r["batch"]]["tok_s"]:
+            best[r["batch"]] = r
+    for name, best in fastest.items():
+        if len(budgets[name]) > 1:
+            sizes[name] = {batch: r["budget"] for batch, r in best.items()}
     return {name: batch_schedule(points) for name, points in sizes.items()}
 
 

@@ -301,6 +301,23 @@ def test_batch_schedules_come_from_adaptive_ddtree_rows():
     assert batch_schedules(rows) == {"ddtree B=64 T=0": [[1, 15, 40], [16, 16, 10]]}
 
 
+def test_batch_schedules_pick_the_fastest_fixed_budget():
+    """Fixed-budget engines timed at several budgets give, per variant and
+    temperature, the fastest budget at each batch size as a schedule; a
+    variant timed at one budget gives none."""
+    tok_s = {(1, 16): 80.0, (1, 64): 95.0, (16, 16): 900.0, (16, 64): 850.0,
+             (64, 16): 2000.0, (64, 64): 1500.0}  # fmt: skip
+    v2 = {"adaptive_budget": False, "async_scheduling": True}
+    rows = [
+        _row("ddtree-v2", t, budget, batch=batch, **v2)
+        for (batch, budget), t in tok_s.items()
+    ]
+    rows.append(_row("ddtree", 70.0, 16, adaptive_budget=False))
+    assert batch_schedules(rows) == {
+        "ddtree-v2 async fastest fixed B T=0": [[1, 15, 64], [16, 64, 16]]
+    }
+
+
 def test_plots_take_every_ddtree_and_dflash_variant():
     """The V2 runner's and async rows are plotted (they were left out of both
     plots: their method names are not plain "ddtree" / "dflash"); a
