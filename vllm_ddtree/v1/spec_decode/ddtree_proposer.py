@@ -94,38 +94,49 @@ class DDTreeProposer(DFlashProposer):
         up to the token budget, in both variants, reaches them all.
         """
         device = self.device
-        depth, self.num_speculative_tokens = (
+        # The drafter's query count, as ``propose`` sets it for a step.
+        previous, self.num_speculative_tokens = (
             self.num_speculative_tokens,
             self.ddtree.max_depth,
         )
         next_token = torch.zeros(1, dtype=torch.int32, device=device)
         query_len = 1
-        while query_len <= self.max_num_tokens:
-            query_start = torch.tensor([0, query_len], dtype=torch.int32)
-            cad = CommonAttentionMetadata(
-                query_start_loc=query_start.to(device),
-                query_start_loc_cpu=query_start,
-                seq_lens=query_start[1:].to(device),
-                num_reqs=1,
-                num_actual_tokens=query_len,
-                max_query_len=query_len,
-                max_seq_len=query_len,
-                block_table_tensor=block_table,
-                slot_mapping=torch.zeros(query_len, dtype=torch.int64, device=device),
+        try:
+            while query_len <= self.max_num_tokens:
+                self._run_input_kernel(query_len, next_token, block_table)
+                query_len *= 2
+        finally:
+            self.num_speculative_tokens = previous
+
+    def _run_input_kernel(
+        self, query_len: int, next_token: torch.Tensor, block_table: torch.Tensor
+    ) -> None:
+        """DFlash's input preparation for one request of ``query_len``
+        context tokens, plain and padded."""
+        device = self.device
+        query_start = torch.tensor([0, query_len], dtype=torch.int32)
+        cad = CommonAttentionMetadata(
+            query_start_loc=query_start.to(device),
+            query_start_loc_cpu=query_start,
+            seq_lens=query_start[1:].to(device),
+            num_reqs=1,
+            num_actual_tokens=query_len,
+            max_query_len=query_len,
+            max_seq_len=query_len,
+            block_table_tensor=block_table,
+            slot_mapping=torch.zeros(query_len, dtype=torch.int64, device=device),
+        )
+        context = torch.zeros(query_len, dtype=torch.int64, device=device)
+        for rejected in (None, torch.zeros_like(next_token)):
+            self.set_inputs_first_pass(
+                target_token_ids=context,
+                next_token_ids=next_token,
+                target_positions=context,
+                target_hidden_states=context,
+                token_indices_to_sample=None,
+                cad=cad,
+                num_rejected_tokens_gpu=rejected,
             )
-            context = torch.zeros(query_len, dtype=torch.int64, device=device)
-            for rejected in (None, torch.zeros_like(next_token)):
-                self.set_inputs_first_pass(
-                    target_token_ids=context,
-                    next_token_ids=next_token,
-                    target_positions=context,
-                    target_hidden_states=context,
-                    token_indices_to_sample=None,
-                    cad=cad,
-                    num_rejected_tokens_gpu=rejected,
-                )
-            query_len *= 2
-        self.num_speculative_tokens = depth
 
     def set_accepted_order(
         self,
