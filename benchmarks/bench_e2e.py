@@ -210,6 +210,22 @@ def _enough(
     return lambda n: n >= min_requests and time.perf_counter() - start >= min_seconds
 
 
+def host_reference_ms(repeats: int = 5) -> float:
+    """The median time of a fixed single-threaded Python loop, in ms: how
+    fast the host runs at the moment. A small model's steps are host-bound,
+    and one machine's host ran vLLM's own step code ~1.5x slower in one run
+    than in another minutes later (H100, 2026-12-07): rows or profiles whose
+    references differ ran on a faster or slower host, whatever the method."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total = 0
+        for i in range(100_000):
+            total += i & 7
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
 def run_steady(
     llm,
     request: Callable[[int], tuple[Any, Any]],
@@ -297,6 +313,7 @@ def run_worker(job: dict, conn: Connection) -> None:
                 wave(0, batch, temperature, 4)
             warm.add((batch, temperature))
         min_requests = batch * max(1, math.ceil(job["min_requests"] / batch))
+        host_ref_ms = host_reference_ms()
         before = _counters(llm)
         start = time.perf_counter()
         enough = _enough(min_requests, job["min_seconds"], start)
@@ -310,6 +327,7 @@ def run_worker(job: dict, conn: Connection) -> None:
             while not enough(len(outputs)):
                 outputs += wave(len(outputs), batch, temperature, job["max_tokens"])
         seconds = time.perf_counter() - start
+        host_ref_ms = (host_ref_ms + host_reference_ms()) / 2
         tokens = sum(map(len, outputs))
         after = _counters(llm)
         drafts = after["drafts"] - before["drafts"]
@@ -340,6 +358,9 @@ def run_worker(job: dict, conn: Connection) -> None:
             "tok_s": tokens / seconds,
             "steps": steps,
             "step_ms": 1e3 * seconds / steps if steps else float("nan"),
+            # The host's speed around the row (host_reference_ms, before
+            # and after): rows to compare should have similar ones.
+            "host_ref_ms": host_ref_ms,
             "drafts": drafts,
             # Mean nodes verified per draft: the tree size adaptive budgets
             # chose (B for fixed ones, 15 for DFlash).
@@ -363,7 +384,8 @@ def run_worker(job: dict, conn: Connection) -> None:
         print(
             f"[bench_e2e] {row['method']} B={row['budget']} batch={row['batch']} "
             f"T={row['temperature']} round {row['round']}: {row['tok_s']:.1f} tok/s "
-            f"tau={row['tau']:.2f} step={row['step_ms']:.2f} ms",
+            f"tau={row['tau']:.2f} step={row['step_ms']:.2f} ms "
+            f"host ref {row['host_ref_ms']:.2f} ms",
             flush=True,
         )
         conn.send(row)

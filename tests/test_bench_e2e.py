@@ -181,6 +181,7 @@ def test_engines_take_turns_in_rounds(tmp_path, capfd):
     assert rows["ddtree"]["vs_dflash"] > 0
     # (In bfloat16 on CPU the tiny pair's drafts were never accepted.)
     assert rows["ddtree"]["tau"] > 1.0
+    assert all(0 < r["host_ref_ms"] < 1e3 for r in results["runs"])
 
 
 @pytest.mark.parametrize(("timeout", "reason"), [(120.0, "failed"), (0.5, "timed out")])
