@@ -1021,6 +1021,14 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("ddtree-v2 needs --fixed-budget (V2 has no adaptive budgets)")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: give 1 or more")
+    engines = len(_jobs(args))
+    share = args.gpu_memory_utilization
+    if args.rounds > 1 and share and share * engines > 0.95:
+        ap.error(
+            f"--gpu-memory-utilization {share} for each of {engines} engines alive "
+            f"at once (--rounds): at most {0.95 / engines:.2f}, or leave it out "
+            "to split the default"
+        )
     if args.schedule and not args.fixed_budget:
         ap.error("--schedule needs --fixed-budget (it sizes the trees instead)")
     prompts_file = None

@@ -184,6 +184,19 @@ def test_engines_take_turns_in_rounds(tmp_path, capfd):
     assert all(0 < r["host_ref_ms"] < 1e3 for r in results["runs"])
 
 
+def test_rounds_refuse_more_memory_than_the_device_has(tmp_path, capsys):
+    """Engines alive together cannot each take most of the device memory:
+    the error names the option and the largest share that fits."""
+    with pytest.raises(SystemExit):
+        main(
+            ["--out", str(tmp_path), "--methods", "dflash,ddtree", "--budgets", "8,16",
+             "--rounds", "2", "--gpu-memory-utilization", "0.5"]
+        )  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--gpu-memory-utilization 0.5 for each of 3 engines" in err
+    assert "at most 0.32" in err
+
+
 @pytest.mark.parametrize(("timeout", "reason"), [(120.0, "failed"), (0.5, "timed out")])
 def test_a_lost_engine_is_reported_and_skipped(tmp_path, capfd, timeout, reason):
     """A worker that dies (no model at ``target``) or outlives the driver's
