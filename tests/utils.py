@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -516,16 +516,16 @@ DFLASH_INPUT_KERNELS = (
 
 
 @contextmanager
-def ddtree_kernels_compiled(also: Iterable[str] = ()) -> Iterator[list[str]]:
-    """Collects the names of this package's Triton kernels (and of vLLM's
-    named in ``also``) that vLLM's JIT monitor (active once an in-process
-    engine has warmed up) sees compile inside the block: a variant the
-    start-up warm-up missed."""
+def ddtree_kernels_compiled() -> Iterator[list[str]]:
+    """Collects the names of the Triton kernels DDTree's start-up warms up
+    (this package's, and vLLM's DFlash input preparation) that vLLM's JIT
+    monitor (active once an in-process engine has warmed up) sees compile
+    inside the block: a variant the start-up warm-up missed."""
     from unittest import mock
 
     from vllm.utils import jit_monitor
 
-    ours = ddtree_kernel_names() | set(also)
+    ours = ddtree_kernel_names() | set(DFLASH_INPUT_KERNELS)
     seen: list[str] = []
     report = jit_monitor._handle_jit_event
 

@@ -16,7 +16,6 @@ from vllm import LLM, SamplingParams
 
 from tests.oracle_drafter import Oracle, oracle_drafter
 from tests.utils import (
-    DFLASH_INPUT_KERNELS,
     TREE_SIZED_BUDGET,
     ddtree_config,
     ddtree_kernels_compiled,
@@ -112,7 +111,7 @@ def test_greedy_equals_no_spec_on_gpu(
         try:
             # Prometheus counters are process-wide: measure this engine's share.
             before = metric(llm, ACCEPTED) or 0
-            with ddtree_kernels_compiled(DFLASH_INPUT_KERNELS) as compiled:
+            with ddtree_kernels_compiled() as compiled:
                 assert _generate(llm) == expected
                 accepted = metric(llm, ACCEPTED) - before
                 # Batch 1 too: a lone tree row next to no other request.

@@ -21,7 +21,6 @@ from tests.test_ddtree_hybrid import (  # noqa: F401
     target,
 )
 from tests.utils import (
-    DFLASH_INPUT_KERNELS,
     ddtree_config,
     ddtree_kernels_compiled,
     dflash_config,
@@ -158,7 +157,7 @@ def test_hybrid_greedy_equals_no_spec_on_gpu(
         llm = _engine(
             target, enforce_eager, spec, async_scheduling=scheduling == "async"
         )
-        with ddtree_kernels_compiled(DFLASH_INPUT_KERNELS) as compiled:
+        with ddtree_kernels_compiled() as compiled:
             failures = tree_divergences(llm, prompts, expected, expected_top)
         shutdown_llm(llm)
     # Every kernel variant a step used was compiled by the start-up warm-up

@@ -18,7 +18,6 @@ from vllm import LLM, SamplingParams
 from tests.gpu import test_ddtree_engine_gpu as v1_engine_tests
 from tests.gpu.test_ddtree_engine_gpu import ACCEPTED, MAX_TOKENS, PROMPTS
 from tests.utils import (
-    DFLASH_INPUT_KERNELS,
     ddtree_config,
     ddtree_kernels_compiled,
     fail_on_host_sync,
@@ -94,7 +93,7 @@ def test_v2_greedy_equals_v2_no_spec(fixtures, expected, enforce_eager, budget):
         before = metric(llm, ACCEPTED) or 0
         # vLLM's DFlash input kernel too: its tile follows the longest query,
         # and the first step's short prompts take one no tree step takes.
-        with ddtree_kernels_compiled(DFLASH_INPUT_KERNELS) as compiled:
+        with ddtree_kernels_compiled() as compiled:
             assert _generate(llm, GREEDY) == expected["greedy"]
             accepted = metric(llm, ACCEPTED) - before
             assert _generate(llm, GREEDY, PROMPTS[:1]) == expected["greedy"][:1]
