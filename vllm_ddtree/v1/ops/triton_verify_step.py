@@ -109,36 +109,30 @@ def _lay_out_kernel(
         tl.store(T_NUM_NODES + t, n.to(tl.int32))
         tl.store(T_CTX_LEN + t, seq_len - n.to(tl.int32))
     if FILL:
-        # Every row of a uniform batch has `width` tokens from row r * width
-        # on; its masks climb the parents just stored (chains: causal).
         tl.store(U_CTX + r, tl.maximum(seq_len - n.to(tl.int32), 0))
+    if FILL or PACK:
+        # Ancestor masks climbed from the parents just stored: a uniform
+        # batch's every row (chains causal, graph padding too) at row
+        # r * width, another batch's trees one after another.
+        is_tree = t >= 0
+        if FILL:
+            first = r * width
+        else:
+            first = tl.load(
+                TREE_MASK_START + tl.maximum(t, 0), mask=is_tree, other=0
+            ).to(tl.int64)
+            tl.store(T_MASK_START + t, first.to(tl.int32), mask=is_tree)
         tl.debug_barrier()
         _store_ancestor_bits(
             PARENTS + r * stride_par,
-            n,
-            MASK + r * width * stride_mask,
+            tl.where(is_tree | FILL, n, 0),
+            MASK + first * stride_mask,
             stride_mask,
             num_words,
             width - 1,
             NP,
             WP,
         )
-    if PACK:
-        # Another batch's trees' masks, one tree after another.
-        tl.debug_barrier()
-        if t >= 0:
-            mask_row = tl.load(TREE_MASK_START + t)
-            tl.store(T_MASK_START + t, mask_row.to(tl.int32))
-            _store_ancestor_bits(
-                PARENTS + r * stride_par,
-                n,
-                MASK + mask_row * stride_mask,
-                stride_mask,
-                num_words,
-                width - 1,
-                NP,
-                WP,
-            )
 
 
 def lay_out_trees_triton(
