@@ -436,7 +436,10 @@ train-e2e)
   # The pair lives in /tmp: a machine lost between calls takes it along
   # (2026-12-03), so training shares its call with the first engines.
   # TRAIN_MINUTES (default 3) trades the pair's quality for the table's time;
-  # on a fresh machine the first engine also compiles vLLM's kernels (~2 min).
+  # on a fresh machine the first engine also compiles vLLM's kernels: the
+  # pair's stock DFlash engine took 225 s to start on a fresh H200, 117 s of
+  # them silent after its graph capture (2026-12-07), so a fresh machine's
+  # e2e call wants ~350 s past training before its first row.
   # E2E_END: the call's end in seconds (default 585).
   train_pair "${TRAIN_MINUTES:-3}" $((${TRAIN_MINUTES:-3} * 60 + 60))
   e2e_pair $((${E2E_END:-585} - SECONDS)) e2e-h200 nospec,dflash 15
