@@ -91,8 +91,9 @@ def test_v2_greedy_equals_v2_no_spec(fixtures, expected, enforce_eager, budget):
     try:
         assert llm.llm_engine.vllm_config.use_v2_model_runner
         before = metric(llm, ACCEPTED) or 0
-        # vLLM's DFlash input kernel too: its tile follows the longest query,
-        # and the first step's short prompts take one no tree step takes.
+        # The watch includes vLLM's DFlash input kernel: its tile follows the
+        # longest query, and the first step's short prompts take one no tree
+        # step takes.
         with ddtree_kernels_compiled() as compiled:
             assert _generate(llm, GREEDY) == expected["greedy"]
             accepted = metric(llm, ACCEPTED) - before
