@@ -777,10 +777,12 @@ class EngineWorker:
 
     The worker runs in a session of its own, so that on a failure or a
     timeout the whole group goes, the engine-core process (which holds the
-    device memory) included. ``timeout``: seconds the driver waits for it in
-    all (start-up and rows). Rows go to ``job["result"]`` as they come, beside
-    the rows an earlier call left there at other (batch, temperature)
-    points: a sweep split over time-limited calls keeps them all."""
+    device memory) included. The engine starts on construction, so several
+    can start at once; :meth:`wait_ready` waits for one. ``timeout``: seconds
+    the driver waits for it in all (start-up and rows). Rows go to
+    ``job["result"]`` as they come, beside the rows an earlier call left
+    there at other (batch, temperature) points: a sweep split over
+    time-limited calls keeps them all."""
 
     def __init__(self, job: dict, out: Path, timeout: float) -> None:
         self.job = job
@@ -806,8 +808,16 @@ class EngineWorker:
                 env=env,
             )
         self.conn = Connection(parent.detach())
-        self.alive = self._receive() is not None
-        spec_path.unlink()
+        self.spec_path = spec_path
+        self.alive = True
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        """Wait for the engine to be up (at once if it already is)."""
+        if not self.ready:
+            self.ready = True
+            self.alive = self._receive() is not None
+            self.spec_path.unlink()
 
     def _receive(self) -> dict | None:
         """The worker's next message; ``None`` (and the worker stopped) once
@@ -833,6 +843,7 @@ class EngineWorker:
 
     def measure(self, batch: int, temperature: float, round_: int) -> None:
         """One timed row (skipped once the worker is gone)."""
+        self.wait_ready()
         if not self.alive:
             return
         # A worker gone since its last row breaks the send; the receive
@@ -849,6 +860,7 @@ class EngineWorker:
 
     def close(self) -> None:
         """Let the worker shut its engine down, within its time left."""
+        self.wait_ready()
         if not self.alive:
             return
         with contextlib.suppress(OSError):
@@ -884,6 +896,8 @@ def _engine_settings(args) -> dict:
         "async_scheduling": args.async_scheduling,
         "load_format": args.load_format,
     }
+    if args.kv_cache_gib:
+        settings["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
     if args.load_format == "dummy":
         settings["skip_tokenizer_init"] = True
     config = json.loads((Path(args.target) / "config.json").read_text())
@@ -946,6 +960,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--gpu-memory-utilization", type=float)
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="give each engine a KV cache of this size (vLLM's "
+        "kv_cache_memory_bytes) instead of sizing it from free memory; with "
+        "--rounds, GPU engines then start at once, not one after the other",
+    )
     ap.add_argument("--enforce-eager", action="store_true", help="(always on CPU)")
     ap.add_argument(
         "--max-cudagraph-capture-size",
@@ -1076,8 +1097,16 @@ def main(argv: list[str] | None = None) -> None:
         jobs.append(job)
     # One round: one engine at a time, with all the memory. Several: every
     # engine alive at once, taking turns row by row.
+    # On a GPU the engines of a group start one after the other unless their
+    # KV caches have a given size: each sizes its KV cache from the memory it
+    # sees free while profiling, which another's start would change under it.
+    one_by_one = _on_gpu() and not args.kv_cache_gib
     for group in [jobs] if args.rounds > 1 else [[job] for job in jobs]:
-        workers = [EngineWorker(job, args.out, args.job_timeout) for job in group]
+        workers = []
+        for job in group:
+            workers.append(EngineWorker(job, args.out, args.job_timeout))
+            if one_by_one:
+                workers[-1].wait_ready()
         for temperature in args.temperatures:
             for batch in args.batch_sizes:
                 for round_ in range(args.rounds):

@@ -223,7 +223,9 @@ train_pair() {  # MINUTES LIMIT: the h200 preset into /tmp/pair-h200
 # E2E_ROUNDS=N: the engines alive together, taking turns N times per row,
 # ratios paired by round (the pair's steps are host-bound, the device busy
 # ~1 ms of 3.6-5.2, and DFlash's batch-16 greedy row ranged 7,767-15,987
-# tok/s over five runs on one H100, 2026-12-07).
+# tok/s over five runs on one H100, 2026-12-07). E2E_KV_GIB=G: a G-GiB KV
+# cache per engine, so that the engines start at once (one after the other,
+# a fresh machine's first two took ~350 s, 2026-12-07).
 # CUDA graphs up to E2E_CAPTURE tokens (64 trees of 65 nodes; vLLM's default
 # of 512 left DDTree's batch-16 and batch-64 steps, and DFlash's at batch 64,
 # without graphs in the first run, 2026-12-04).
@@ -232,6 +234,7 @@ e2e_pair() {
     --out "/tmp/$2" --methods "$3" --budgets "$4" --batch-sizes "${E2E_BATCH_SIZES:-1,16,64}" \
     --size-for-budget "${E2E_SIZE:-256}" --max-cudagraph-capture-size "${E2E_CAPTURE:-4160}" \
     --temperatures 0,1 --job-timeout $((240 * ${E2E_ROUNDS:-1})) ${E2E_STEADY:+--steady} \
+    ${E2E_KV_GIB:+--kv-cache-gib "$E2E_KV_GIB"} \
     ${E2E_ROUNDS:+--rounds "$E2E_ROUNDS"} "${@:5}"
   e2e_report "$2"
   cp "/tmp/$2"/*.png "$out/" 2>/dev/null

@@ -205,6 +205,7 @@ def test_a_lost_engine_is_reported_and_skipped(tmp_path, capfd, timeout, reason)
            "target": str(tmp_path / "missing"), "batch_sizes": [1],
            "result": str(tmp_path / "nospec.json")}  # fmt: skip
     worker = EngineWorker(job, tmp_path, timeout)
+    worker.wait_ready()
     assert not worker.alive and worker.proc.returncode is not None
     worker.measure(1, 0.0, 0)
     worker.close()
@@ -225,7 +226,7 @@ def _args(budgets, size_for_budget=None, async_scheduling=False):
         batch_sizes=[1, 16, 64], max_model_len=None, dtype="bfloat16",
         enforce_eager=True, gpu_memory_utilization=None, load_format="auto",
         target=str(TRAINED_TINY_DIR / "target"), max_cudagraph_capture_size=None,
-        rounds=1, methods=["dflash", "ddtree"],
+        rounds=1, methods=["dflash", "ddtree"], kv_cache_gib=None,
     )  # fmt: skip
 
 
@@ -269,6 +270,16 @@ def test_engine_settings_follow_the_target_config(config, hybrid, vision):
     settings = _engine_settings(args)
     assert ("mamba_ssm_cache_dtype" in settings) == hybrid
     assert settings.get("language_model_only", False) == vision
+
+
+def test_kv_cache_option_sizes_every_engine_alike():
+    """``--kv-cache-gib`` becomes vLLM's ``kv_cache_memory_bytes`` (what lets
+    GPU engines start at once); without it vLLM sizes the cache."""
+    args = _args([64])
+    args.max_model_len = _tokens_needed(args) + 1
+    assert "kv_cache_memory_bytes" not in _engine_settings(args)
+    args.kv_cache_gib = 1.5
+    assert _engine_settings(args)["kv_cache_memory_bytes"] == 3 << 29
 
 
 def test_schedule_option_reaches_ddtree_engines_only():
