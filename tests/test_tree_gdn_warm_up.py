@@ -128,11 +128,15 @@ def test_gpu_tests_see_our_kernels_compile_mid_serving():
     input preparation)."""
     from vllm.utils import jit_monitor
 
+    info = {"compile": {"constants": {(0,): 64}, "signature": {"x_ptr": "*i32"}}}
     with ddtree_kernels_compiled() as compiled:
-        jit_monitor._log_triton_jit_compile("_tree_recurrent_kernel", {})
-        jit_monitor._log_triton_jit_compile("fused_moe_kernel", {})
+        jit_monitor._log_triton_jit_compile("_tree_recurrent_kernel", info)
+        jit_monitor._log_triton_jit_compile("fused_moe_kernel", info)
         jit_monitor._log_triton_jit_compile("copy_and_expand_dflash_inputs_kernel", {})
-    assert compiled == [
+    assert [entry.split(" (")[0] for entry in compiled] == [
         "_tree_recurrent_kernel",
         "copy_and_expand_dflash_inputs_kernel",
     ]
+    # Each names the variant: the argument signature and constexprs.
+    assert "signature={x_ptr='*i32'}" in compiled[0]
+    assert "constexprs={(0,)=64}" in compiled[0]

@@ -520,7 +520,9 @@ def ddtree_kernels_compiled() -> Iterator[list[str]]:
     """Collects the names of the Triton kernels DDTree's start-up warms up
     (this package's, and vLLM's DFlash input preparation) that vLLM's JIT
     monitor (active once an in-process engine has warmed up) sees compile
-    inside the block: a variant the start-up warm-up missed."""
+    inside the block: a variant the start-up warm-up missed, as ``name
+    (details)``; the details (the monitor's verbose ones: constexprs, the
+    argument signature with Triton's specializations) tell which variant."""
     from unittest import mock
 
     from vllm.utils import jit_monitor
@@ -529,10 +531,13 @@ def ddtree_kernels_compiled() -> Iterator[list[str]]:
     seen: list[str] = []
     report = jit_monitor._handle_jit_event
 
-    def record(*, fn_name: str, **kwargs: Any) -> None:
+    def record(*, fn_name: str, detail: str | None = None, **kwargs: Any) -> None:
         if fn_name in ours:
-            seen.append(fn_name)
-        report(fn_name=fn_name, **kwargs)
+            seen.append(f"{fn_name} ({detail})")
+        report(fn_name=fn_name, detail=detail, **kwargs)
 
-    with mock.patch.object(jit_monitor, "_handle_jit_event", record):
+    with (
+        mock.patch.object(jit_monitor, "_handle_jit_event", record),
+        mock.patch.object(jit_monitor, "_verbose", True),
+    ):
         yield seen
