@@ -57,25 +57,39 @@ def test_query_buffers_cover_padded_runs(max_num_seqs, budget, max_depth, max_ca
     assert proposer.max_positions >= proposer.max_num_tokens + len(proposer.positions)
 
 
-@pytest.mark.parametrize(("depth", "max_tokens"), [(3, 1000), (15, 8192)])
+def _triton_int_class(value: int) -> str:
+    """How Triton specialises an integer argument: a variant for 1, one for
+    multiples of 16, one for the rest (H100 and the CPU's Triton 3.6)."""
+    return "1" if value == 1 else "D" if value % 16 == 0 else ""
+
+
+@pytest.mark.parametrize(("depth", "max_tokens"), [(3, 1000), (8, 1040), (15, 8192)])
 def test_warm_up_input_kernel_meets_every_variant(monkeypatch, depth, max_tokens):
-    """The variants of DFlash's input kernel (its ``BLOCK_SIZE`` tile, and
-    whether rejected counts are given) the warm-up compiles include those
-    vLLM's ``set_inputs_first_pass`` launches for every query length up to
-    the token budget, in plain and padded batches (the kernel replaced by a
-    recorder), with the drafter's ``max_depth`` queries per request."""
+    """The variants of DFlash's input kernel (its ``BLOCK_SIZE`` tile,
+    whether rejected counts are given, and Triton's class of every integer
+    argument, the batch's token count among them) the warm-up compiles
+    include those vLLM's ``set_inputs_first_pass`` launches for every query
+    length up to the token budget, in plain and padded batches (the kernel
+    replaced by a recorder), with the drafter's ``max_depth`` queries per
+    request."""
     import vllm.v1.spec_decode.dflash as dflash_module
 
-    launched: list[tuple[int, bool, int]] = []
+    launched: list[tuple] = []
 
     class Recorder:
         def __getitem__(self, grid):
             def launch(**kwargs):
+                ints = tuple(
+                    (name, _triton_int_class(value))
+                    for name, value in sorted(kwargs.items())
+                    if type(value) is int and not name.isupper()
+                )
                 launched.append(
                     (
                         kwargs["BLOCK_SIZE"],
                         kwargs["HAS_NUM_REJECTED"],
                         kwargs["num_query_per_req"],
+                        *ints,
                     )
                 )
 
@@ -100,7 +114,7 @@ def test_warm_up_input_kernel_meets_every_variant(monkeypatch, depth, max_tokens
     block_table = torch.zeros(1, 4, dtype=torch.int32)
     proposer.warm_up_input_kernel(block_table)
     warmed = set(launched)
-    assert {q for *_, q in warmed} == {1 + depth}
+    assert {key[2] for key in warmed} == {1 + depth}
     assert proposer.num_speculative_tokens == 64  # restored
 
     launched.clear()
@@ -116,8 +130,15 @@ def test_warm_up_input_kernel_meets_every_variant(monkeypatch, depth, max_tokens
             num_reqs=1,
             max_seq_len=query_len,
         )
-        for rejected in (None, torch.zeros(1, dtype=torch.int32)):
-            proposer.set_inputs_first_pass(
-                torch.zeros(query_len), None, None, None, None, cad, rejected
-            )
+        # The batch's token count: the request's, or more with others
+        # beside it (the longest query sets the tile); the first count of
+        # each of Triton's classes from the query's length on.
+        counts: dict[str, int] = {}
+        for count in range(query_len, min(query_len + 17, max_tokens + 1)):
+            counts.setdefault(_triton_int_class(count), count)
+        for count in counts.values():
+            for rejected in (None, torch.zeros(1, dtype=torch.int32)):
+                proposer.set_inputs_first_pass(
+                    torch.zeros(count), None, None, None, None, cad, rejected
+                )
     assert set(launched) == warmed

@@ -90,8 +90,14 @@ class DDTreeProposer(DFlashProposer):
         counts given: every step after a verify). A tree's verify steps
         (``1 + B`` tokens a request) meet the small tiles only once a step is
         made of short prefills alone, mid-serving (the V2 speculator's
-        warm-up says more). One request with each power-of-two query length
-        up to the token budget, in both variants, reaches them all.
+        warm-up says more). Triton also compiles a variant per class of the
+        batch's token count (one, a multiple of 16, any other; H100,
+        2026-12-07: an eager batch of 65-token trees met the 128 tile with
+        a count off the multiples of 16, which no warm-up request had). A
+        one-request batch of each power-of-two query length, and of the
+        budget itself, reaches every tile, and its context (the batch's
+        token count: the kernel reads only the request's own part) takes a
+        length of each class from the query's length on, in both variants.
         """
         device = self.device
         # The drafter's query count, as ``propose`` sets it for a step.
@@ -100,19 +106,28 @@ class DDTreeProposer(DFlashProposer):
             self.ddtree.max_depth,
         )
         next_token = torch.zeros(1, dtype=torch.int32, device=device)
-        query_len = 1
+        limit = self.max_num_tokens
+        powers = {1 << i for i in range(limit.bit_length())}
         try:
-            while query_len <= self.max_num_tokens:
-                self._run_input_kernel(query_len, next_token, block_table)
-                query_len *= 2
+            for query_len in sorted(powers | {limit}):
+                multiple = -(-query_len // 16) * 16
+                for num_context in sorted({query_len, multiple, multiple + 1}):
+                    if num_context <= limit:
+                        self._run_input_kernel(
+                            query_len, num_context, next_token, block_table
+                        )
         finally:
             self.num_speculative_tokens = previous
 
     def _run_input_kernel(
-        self, query_len: int, next_token: torch.Tensor, block_table: torch.Tensor
+        self,
+        query_len: int,
+        num_context: int,
+        next_token: torch.Tensor,
+        block_table: torch.Tensor,
     ) -> None:
         """DFlash's input preparation for one request of ``query_len``
-        context tokens, plain and padded."""
+        context tokens in a context of ``num_context``, plain and padded."""
         device = self.device
         query_start = torch.tensor([0, query_len], dtype=torch.int32)
         cad = CommonAttentionMetadata(
@@ -126,7 +141,7 @@ class DDTreeProposer(DFlashProposer):
             block_table_tensor=block_table,
             slot_mapping=torch.zeros(query_len, dtype=torch.int64, device=device),
         )
-        context = torch.zeros(query_len, dtype=torch.int64, device=device)
+        context = torch.zeros(num_context, dtype=torch.int64, device=device)
         for rejected in (None, torch.zeros_like(next_token)):
             self.set_inputs_first_pass(
                 target_token_ids=context,
