@@ -521,23 +521,24 @@ def ddtree_kernels_compiled() -> Iterator[list[str]]:
     (this package's, and vLLM's DFlash input preparation) that vLLM's JIT
     monitor (active once an in-process engine has warmed up) sees compile
     inside the block: a variant the start-up warm-up missed, as ``name
-    (details)``; the details (the monitor's verbose ones: constexprs, the
-    argument signature with Triton's specializations) tell which variant."""
+    (constexprs; signature)``, the signature with Triton's specialisation
+    of every argument (the monitor's own verbose line cuts it at 120
+    characters)."""
     from unittest import mock
 
     from vllm.utils import jit_monitor
 
     ours = ddtree_kernel_names() | set(DFLASH_INPUT_KERNELS)
     seen: list[str] = []
-    report = jit_monitor._handle_jit_event
+    log = jit_monitor._log_triton_jit_compile
 
-    def record(*, fn_name: str, detail: str | None = None, **kwargs: Any) -> None:
+    def record(fn_name: str, kwargs: Any) -> None:
         if fn_name in ours:
-            seen.append(f"{fn_name} ({detail})")
-        report(fn_name=fn_name, detail=detail, **kwargs)
+            info = kwargs.get("compile") or {}
+            constants = jit_monitor._format_constants(kwargs.get("fn"), info)
+            signature = info.get("signature")
+            seen.append(f"{fn_name} ({constants}; signature={signature!r})")
+        log(fn_name, kwargs)
 
-    with (
-        mock.patch.object(jit_monitor, "_handle_jit_event", record),
-        mock.patch.object(jit_monitor, "_verbose", True),
-    ):
+    with mock.patch.object(jit_monitor, "_log_triton_jit_compile", record):
         yield seen
