@@ -226,6 +226,21 @@ def host_reference_ms(repeats: int = 5) -> float:
     return 1e3 * statistics.median(times)
 
 
+def process_tree_cpu_seconds() -> float:
+    """CPU time (user and system) this process and its children (the engine
+    core) have used so far: across a row, the host work a method costs,
+    whatever else the machine runs meanwhile."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 def run_steady(
     llm,
     request: Callable[[int], tuple[Any, Any]],
@@ -315,6 +330,7 @@ def run_worker(job: dict, conn: Connection) -> None:
         min_requests = batch * max(1, math.ceil(job["min_requests"] / batch))
         host_ref_ms = host_reference_ms()
         before = _counters(llm)
+        cpu_before = process_tree_cpu_seconds()
         start = time.perf_counter()
         enough = _enough(min_requests, job["min_seconds"], start)
         if job["steady"]:
@@ -327,6 +343,7 @@ def run_worker(job: dict, conn: Connection) -> None:
             while not enough(len(outputs)):
                 outputs += wave(len(outputs), batch, temperature, job["max_tokens"])
         seconds = time.perf_counter() - start
+        cpu_seconds = process_tree_cpu_seconds() - cpu_before
         host_ref_ms = (host_ref_ms + host_reference_ms()) / 2
         tokens = sum(map(len, outputs))
         after = _counters(llm)
@@ -361,6 +378,9 @@ def run_worker(job: dict, conn: Connection) -> None:
             # The host's speed around the row (host_reference_ms, before
             # and after): rows to compare should have similar ones.
             "host_ref_ms": host_ref_ms,
+            # CPU time of the engine's processes during the row (all their
+            # threads): more than the wall time means several cores busy.
+            "cpu_s": cpu_seconds,
             "drafts": drafts,
             # Mean nodes verified per draft: the tree size adaptive budgets
             # chose (B for fixed ones, 15 for DFlash).
@@ -385,7 +405,7 @@ def run_worker(job: dict, conn: Connection) -> None:
             f"[bench_e2e] {row['method']} B={row['budget']} batch={row['batch']} "
             f"T={row['temperature']} round {row['round']}: {row['tok_s']:.1f} tok/s "
             f"tau={row['tau']:.2f} step={row['step_ms']:.2f} ms "
-            f"host ref {row['host_ref_ms']:.2f} ms",
+            f"host ref {row['host_ref_ms']:.2f} ms cpu {row['cpu_s']:.2f} s",
             flush=True,
         )
         conn.send(row)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -29,6 +31,7 @@ from benchmarks.bench_e2e import (
     main,
     merged_rows,
     output_digest,
+    process_tree_cpu_seconds,
     speedup_series,
     table,
 )
@@ -182,6 +185,28 @@ def test_engines_take_turns_in_rounds(tmp_path, capfd):
     # (In bfloat16 on CPU the tiny pair's drafts were never accepted.)
     assert rows["ddtree"]["tau"] > 1.0
     assert all(0 < r["host_ref_ms"] < 1e3 for r in results["runs"])
+    # The engines' CPU time while each row ran (the engine core included).
+    assert all(r["cpu_s"] > 0 for r in results["runs"])
+
+
+def test_process_tree_cpu_time_counts_children():
+    """A live child's CPU time counts (the engine core is one)."""
+    before = process_tree_cpu_seconds()
+    # Half a second of CPU, then a line, then idle until killed.
+    burn = (
+        "import sys, time\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < 0.5: pass\n"
+        "print('done', flush=True)\n"
+        "time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == b"done"
+        assert process_tree_cpu_seconds() - before >= 0.5
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_rounds_refuse_more_memory_than_the_device_has(tmp_path, capsys):
