@@ -890,6 +890,20 @@ class EngineWorker:
         self._stop()
 
 
+def start_engines(jobs: list[dict], args) -> list[EngineWorker]:
+    """The engines of ``jobs``, started. On a GPU one after the other unless
+    their KV caches have a given size (``--kv-cache-gib``): each sizes its
+    KV cache from the memory it sees free while profiling, which another's
+    start would change under it."""
+    one_by_one = _on_gpu() and not args.kv_cache_gib
+    workers = []
+    for job in jobs:
+        workers.append(EngineWorker(job, args.out, args.job_timeout))
+        if one_by_one:
+            workers[-1].wait_ready()
+    return workers
+
+
 def _engine_settings(args) -> dict:
     """Identical for every method; only ``speculative_config`` differs."""
     on_gpu = _on_gpu()
@@ -1117,16 +1131,8 @@ def main(argv: list[str] | None = None) -> None:
         jobs.append(job)
     # One round: one engine at a time, with all the memory. Several: every
     # engine alive at once, taking turns row by row.
-    # On a GPU the engines of a group start one after the other unless their
-    # KV caches have a given size: each sizes its KV cache from the memory it
-    # sees free while profiling, which another's start would change under it.
-    one_by_one = _on_gpu() and not args.kv_cache_gib
     for group in [jobs] if args.rounds > 1 else [[job] for job in jobs]:
-        workers = []
-        for job in group:
-            workers.append(EngineWorker(job, args.out, args.job_timeout))
-            if one_by_one:
-                workers[-1].wait_ready()
+        workers = start_engines(group, args)
         for temperature in args.temperatures:
             for batch in args.batch_sizes:
                 for round_ in range(args.rounds):

@@ -33,6 +33,7 @@ from benchmarks.bench_e2e import (
     output_digest,
     process_tree_cpu_seconds,
     speedup_series,
+    start_engines,
     table,
 )
 from vllm_ddtree.fixtures import TRAINED_TINY_DIR
@@ -305,6 +306,42 @@ def test_kv_cache_option_sizes_every_engine_alike():
     assert "kv_cache_memory_bytes" not in _engine_settings(args)
     args.kv_cache_gib = 1.5
     assert _engine_settings(args)["kv_cache_memory_bytes"] == 3 << 29
+
+
+@pytest.mark.parametrize(
+    ("on_gpu", "kv_cache_gib", "one_by_one"),
+    [(True, None, True), (True, 4.0, False), (False, None, False)],
+)
+def test_engines_start_at_once_unless_sizing_their_kv_cache(
+    monkeypatch, on_gpu, kv_cache_gib, one_by_one
+):
+    """GPU engines that size their KV caches from free memory start one
+    after the other (each up before the next starts); with a given KV size,
+    or on the CPU, all start before any is waited for."""
+    import benchmarks.bench_e2e as bench
+
+    events: list[tuple[str, str]] = []
+
+    class Worker:
+        def __init__(self, job, out, timeout):
+            self.tag = job["tag"]
+            events.append(("start", self.tag))
+
+        def wait_ready(self):
+            events.append(("ready", self.tag))
+
+    monkeypatch.setattr(bench, "EngineWorker", Worker)
+    monkeypatch.setattr(bench, "_on_gpu", lambda: on_gpu)
+    args = SimpleNamespace(kv_cache_gib=kv_cache_gib, out=None, job_timeout=1)
+    workers = start_engines([{"tag": "dflash"}, {"tag": "ddtree"}], args)
+    assert [w.tag for w in workers] == ["dflash", "ddtree"]
+    if one_by_one:
+        assert events == [
+            ("start", "dflash"), ("ready", "dflash"),
+            ("start", "ddtree"), ("ready", "ddtree"),
+        ]  # fmt: skip
+    else:
+        assert events == [("start", "dflash"), ("start", "ddtree")]
 
 
 def test_schedule_option_reaches_ddtree_engines_only():
