@@ -14,8 +14,9 @@ times a decode of ``--max-tokens`` tokens and examines more decodes:
   their callers too);
 * ``stacks.txt``: every thread's wall time by innermost frames, sampled
   (waits included, where the timers and cProfile see only running code);
-* ``cprofile.txt``: Python time by function (host-side overhead), then the
-  callers of every host-device sync (``.cpu()``, ``.item()``, ...);
+* ``cprofile.txt``: Python time by function (host-side overhead), the
+  plugin's own functions apart, then the callers of every host-device sync
+  (``.cpu()``, ``.item()``, ...);
 * ``kernels.txt``: the torch profiler's per-op table sorted by device time,
   then by host time (launch counts show per-layer / per-depth loops);
 * ``summary.json``: step time, the garbage collector's pauses in it, and
@@ -103,6 +104,8 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
 FUNCTIONS: tuple[str, ...] = (
     # DDTree, V2 runner
     "vllm_ddtree.v1.worker.verify_plan:LayoutStager.__call__",
+    # its misses (calls here against its own: a layout not kept)
+    "vllm_ddtree.v1.worker.verify_plan:stage_layout",
     "vllm_ddtree.v1.worker.gpu.model_runner:lay_out_trees",
     "vllm_ddtree.v1.worker.gpu.model_runner:tree_attention_info",
     "vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler:path_first_targets",
@@ -598,6 +601,8 @@ def main() -> None:
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("tottime").print_stats(40)
     stats.sort_stats("cumulative").print_stats(60)
+    # The plugin's own functions, however far down the overall lists.
+    stats.sort_stats("cumulative").print_stats("vllm_ddtree", 80)
     # Who waits for the device: every caller of a host-device sync.
     stats.print_callers(r"method '(cpu|item|tolist|synchronize)'")
     (args.out / "cprofile.txt").write_text(text.getvalue())
