@@ -46,7 +46,20 @@ CASES: dict[str, tuple[int, int, list[tuple[str, int]], torch.dtype, int]] = {
     ),
     "budget-64": (64, 15, [("tree", 65), ("tree", 65), ("tree", 30)], torch.int32, 2),
     "budget-256": (256, 15, [("prefill", 3), ("tree", 257)], torch.int32, 4),
+    # Prefill rows of up to 9 tokens are chain tree rows (CHAIN_ROWS_UPTO):
+    # rows of 9 tokens and of one beside trees; a row wider than any tree
+    # (the rows' parents widen).
+    "chain-rows": (
+        8,
+        4,
+        [("tree", 9), ("prefill", 9), ("tree", 4), ("prefill", 1), ("chain", 3)],
+        torch.int32,
+        9,
+    ),
+    "chain-rows-wider": (8, 4, [("tree", 6), ("prefill", 9)], torch.int32, 10),
 }
+# name -> the lay-out's ``chain_rows_upto`` (0 for the other cases).
+CHAIN_ROWS_UPTO = {"chain-rows": 9, "chain-rows-wider": 9}
 NUM_SLOTS, PADDING = 6, 3
 # name -> case as above whose rows are all n-node trees (or chains), filled
 # into graph buffers of n nodes with this many rows of graph padding after.
@@ -64,6 +77,7 @@ def _case(
     row_dtype: torch.dtype,
     seed: int,
     device: str,
+    chain_rows_upto: int = 0,
 ):
     """The layout, trees by slot and step inputs of one case, on ``device``."""
     from vllm_ddtree.v1.spec_decode.tree import build_trees
@@ -80,7 +94,12 @@ def _case(
     slots = torch.randperm(NUM_SLOTS, generator=g)[: len(rows)]
     is_chain = torch.tensor([k == "chain" for k, _ in rows])
     tree_row = torch.where(is_chain, -1, slots).to(row_dtype)
-    layout = stage_layout(HostStaging(device), num_nodes, np.cumsum(query_lens))
+    layout = stage_layout(
+        HostStaging(device),
+        num_nodes,
+        np.cumsum(query_lens),
+        chain_rows_upto=chain_rows_upto,
+    )
     context = torch.randint(0, 50, (len(rows),), generator=g)
     positions = torch.cat(
         [c + torch.arange(q) for c, q in zip(context.tolist(), query_lens, strict=True)]
@@ -128,7 +147,9 @@ def compare(name: str, device: str = "cpu") -> dict:
     )
 
     budget, max_depth, *_ = CASES[name]
-    trees, layout, tree_row, positions, seq_lens, g = _case(*CASES[name], device)
+    trees, layout, tree_row, positions, seq_lens, g = _case(
+        *CASES[name], device, CHAIN_ROWS_UPTO.get(name, 0)
+    )
     shapes = (trees.parents.to(device), trees.depths.to(device))
     ref_positions = positions.clone()
     ref_parents, ref_rows = lay_out_trees_torch(
@@ -142,8 +163,8 @@ def compare(name: str, device: str = "cpu") -> dict:
     # The masks packed by the lay-out against the tree metadata's own
     # packing of the torch rows (every ancestor: chain rows run deeper than
     # the trees' max_depth).
-    ctx_bound = seq_lens.cpu().numpy().astype(np.int64)
-    ref_tree = tree_attention_info(layout, ref_rows, ctx_bound, layout.width - 1)
+    seq_len_bound = seq_lens.cpu().numpy().astype(np.int64)
+    ref_tree = tree_attention_info(layout, ref_rows, seq_len_bound, layout.width - 1)
     ref_mask, ref_mask_start = ref_tree.packed_mask
     got_mask, got_mask_start = got_rows.packed_mask
     res = {
@@ -162,8 +183,9 @@ def compare(name: str, device: str = "cpu") -> dict:
         "rows_equal": {
             f: torch.equal(getattr(got_rows, f), getattr(ref_rows, f)) for f in fields
         },
+        "chain_rows": _chain_rows_check(layout, ref_tree),
     }
-    walk = _walk(trees, tree_row, layout, ref_parents, max_depth, g)
+    walk = _walk(trees, tree_row, layout, ref_parents[:, : layout.width], max_depth, g)
     path = walk.path.to(device)
     num_tokens = positions.shape[0]
     ref = path_first_order_torch(layout, path, num_tokens, ref_positions)
@@ -176,6 +198,27 @@ def compare(name: str, device: str = "cpu") -> dict:
         max_accepted=int(walk.num_accepted.max()),
     )
     return res
+
+
+def _chain_rows_check(layout, tree) -> bool | None:
+    """For a layout with chain rows (else ``None``): every row is a tree
+    row, and each prefill row's is its whole query with causal attention
+    over it (its own ancestor mask, its first token, its context)."""
+    if not layout.chain_rows:
+        return None
+    num_nodes = layout.num_nodes.cpu()
+    query_end = np.asarray(layout.host_tree_q_start) + layout.host_tree_nodes
+    query_len = np.diff(query_end, prepend=0)
+    ok = tree.covers_batch and tree.req_rows_cpu == list(range(len(num_nodes)))
+    for r, n in enumerate(num_nodes.tolist()):
+        if n > 1:
+            continue
+        q = int(query_len[r])
+        causal = torch.ones(q, q, dtype=torch.bool).tril()
+        ok &= tree.num_nodes_cpu[r] == q
+        ok &= tree.q_start_cpu[r] == int(query_end[r]) - q
+        ok &= torch.equal(tree.mask[r, :q, :q].cpu(), causal)
+    return bool(ok)
 
 
 def committed_rows(
@@ -272,8 +315,8 @@ def compare_uniform(name: str, device: str = "cpu") -> dict:
     ref_parents, ref_rows = lay_out_trees_torch(
         layout, shapes, tree_row, positions.clone(), seq_lens
     )
-    ctx_bound = seq_lens.cpu().numpy().astype(np.int64) - n
-    tree = tree_attention_info(layout, ref_rows, ctx_bound, n - 1)
+    seq_len_bound = seq_lens.cpu().numpy().astype(np.int64)
+    tree = tree_attention_info(layout, ref_rows, seq_len_bound, n - 1)
     padded_seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(padding)])
     ref = ref_buffers.fill(num_rows, padded_seq_lens, tree)
     # fill's steady-state path leaves the padding rows' masks alone.
@@ -341,6 +384,8 @@ def test_verify_step_kernels_interpreted(interp_results, name):
     assert rec["commit_kernel_equal"] and rec["commit_torch_equal"], rec
     # The cases move nodes: deep trees and walks that accept several nodes.
     assert rec["depth_moved"] and rec["max_accepted"] >= 2, rec
+    # Prefill rows became chain rows exactly where the case allows them.
+    assert rec["chain_rows"] is (True if name in CHAIN_ROWS_UPTO else None), rec
 
 
 @pytest.mark.parametrize("name", list(UNIFORM_CASES))

@@ -119,6 +119,38 @@ def test_plan_moves_nodes_to_depth_positions_and_describes_the_trees():
     assert step.parents[1].tolist() == [-1] * 5
 
 
+@pytest.mark.parametrize("upto", [3, 2])
+def test_short_prefill_rows_become_chain_rows_of_the_tree_pass(upto):
+    """With ``chain_rows_upto`` at least the prefill row's query (3 tokens)
+    the prefill row is a chain tree row, so the tree rows cover the batch
+    (FlashAttention sits the step out); one token less keeps it out."""
+    runner, case = _runner()
+    runner.layouts = LayoutStager("cpu", chain_rows_upto=upto)
+    plan = runner._plan_verify(case.batch)
+    tree = plan.tree
+    # The walk's view is unchanged: the prefill row verifies one token.
+    assert plan.layout.num_nodes.tolist() == [5, 1, 3]
+    positions = runner.input_buffers.positions[: len(case.linear)].tolist()
+    assert positions[5:8] == [0, 1, 2]  # the prefill chunk keeps its positions
+    if upto < PREFILL_LEN:
+        assert tree.req_rows_cpu == [0, 2]
+        assert not tree.covers_batch
+        return
+    assert tree.covers_batch
+    assert tree.req_rows_cpu == [0, 1, 2]
+    assert tree.q_start_cpu == [0, 5, 8]
+    assert tree.num_nodes_cpu == [5, PREFILL_LEN, 3]
+    assert tree.ctx_len.tolist() == [10, 0, 20]
+    assert tree.ctx_len_cpu == [10, 0, 20]
+    assert tree.parents[1].tolist() == [-1, 0, 1, -1, -1]
+    # Its ancestor mask is causal attention over the chunk.
+    chunk = torch.ones(PREFILL_LEN, PREFILL_LEN, dtype=torch.bool).tril()
+    assert torch.equal(tree.mask[1, :PREFILL_LEN, :PREFILL_LEN], chunk)
+    assert not tree.mask[1, :PREFILL_LEN, PREFILL_LEN:].any()
+    # The trees keep theirs.
+    assert tree.parents[0].tolist() == [-1, 0, 0, 1, 3]
+
+
 def test_uniform_batches_are_filled_by_the_lay_out_on_a_gpu():
     """The lay-out launch fills the graph buffers only for a batch of trees
     of one size that has buffers, up to their rows (graph padding counted),

@@ -60,6 +60,8 @@ def _lay_out_kernel(
     POSITIONS,  # [tokens]: linear positions in, depth positions out
     PARENTS,  # [R (+ graph padding when FILL), width] out: root and padding -1
     TREE_INDEX,  # [R]: the row's index among the tree rows, -1 for none
+    TREE_NODES,  # [T]: the tree row's nodes (a chain row's: its query)
+    TREE_Q_START,  # [T]: the tree row's first token
     TREE_MASK_START,  # [T]: the tree's first row in MASK (PACK)
     SEQ_LENS,  # [R]
     T_REQ_ROWS,  # [T] int32 out (the tree rows' attention inputs)
@@ -93,28 +95,35 @@ def _lay_out_kernel(
     col = tl.maximum(row, 0) * stride_trees + j - 1
     parent = tl.load(TREE_PARENTS + col, mask=built, other=0)
     depth = tl.load(TREE_DEPTHS + col, mask=built, other=0)
+    t = tl.load(TREE_INDEX + r, mask=real, other=-1)
+    is_tree = t >= 0
+    # The tree row's nodes and first token: a chain row's are its query's
+    # tokens (the row itself verifies only its last one).
+    tree_n = tl.load(TREE_NODES + tl.maximum(t, 0), mask=is_tree, other=0)
+    tree_n = tl.where(is_tree, tree_n, n)
+    q_start = tl.load(TREE_Q_START + tl.maximum(t, 0), mask=is_tree, other=0)
+    chained = (j >= n) & (j < tree_n)
     parent = tl.where(node, tl.where(row >= 0, parent, j - 1), -1)
+    parent = tl.where(chained, j - 1, parent)
     depth = tl.where(row >= 0, depth, j)
     in_row = j < width
     tl.store(PARENTS + r * stride_par + j, parent, mask=in_row)
     root = tl.load(ROOT + r, mask=real, other=0)
     root_pos = tl.load(POSITIONS + root, mask=real, other=0)
     tl.store(POSITIONS + root + j, root_pos + depth, mask=node & real)
-    t = tl.load(TREE_INDEX + r, mask=real, other=-1)
     seq_len = tl.load(SEQ_LENS + r, mask=real, other=0).to(tl.int32)
-    if t >= 0:
+    if is_tree:
         tl.store(T_PARENTS + t * stride_tpar + j, parent, mask=in_row)
         tl.store(T_REQ_ROWS + t, r.to(tl.int32))
-        tl.store(T_Q_START + t, root.to(tl.int32))
-        tl.store(T_NUM_NODES + t, n.to(tl.int32))
-        tl.store(T_CTX_LEN + t, seq_len - n.to(tl.int32))
+        tl.store(T_Q_START + t, q_start.to(tl.int32))
+        tl.store(T_NUM_NODES + t, tree_n.to(tl.int32))
+        tl.store(T_CTX_LEN + t, seq_len - tree_n.to(tl.int32))
     if FILL:
         tl.store(U_CTX + r, tl.maximum(seq_len - n.to(tl.int32), 0))
     if FILL or PACK:
         # Ancestor masks climbed from the parents just stored: a uniform
         # batch's every row (chains causal, graph padding too) at row
         # r * width, another batch's trees one after another.
-        is_tree = t >= 0
         if FILL:
             first = r * width
         else:
@@ -125,7 +134,7 @@ def _lay_out_kernel(
         tl.debug_barrier()
         _store_ancestor_bits(
             PARENTS + r * stride_par,
-            tl.where(is_tree | FILL, n, 0),
+            tl.where(is_tree | FILL, tree_n, 0),
             MASK + first * stride_mask,
             stride_mask,
             num_words,
@@ -148,7 +157,8 @@ def lay_out_trees_triton(
     batch of ``width``-node trees) into its graph buffers, beside their
     context lengths (the parents then cover the graph padding too); else
     one tree after another (:attr:`TreeRows.packed_mask`)."""
-    num_reqs, width = tree_row.shape[0], layout.width
+    num_reqs = tree_row.shape[0]
+    width = max(layout.width, layout.tree_width)
     num_trees = len(layout.host_tree_rows)
     device = tree_row.device
     num_rows = num_reqs if uniform is None else uniform.num_reqs
@@ -180,6 +190,8 @@ def lay_out_trees_triton(
             positions,
             parents,
             layout.tree_index,
+            layout.tree_nodes,
+            layout.tree_q_start,
             layout.tree_mask_start,
             seq_lens,
             *rows.unbind(0),

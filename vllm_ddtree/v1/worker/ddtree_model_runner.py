@@ -238,12 +238,11 @@ class DDTreeModelRunnerMixin:
             self.positions[spec_metadata.logits_indices],
             layout.rows,
         )
-        ctx_len = (
+        seq_lens = (
             self.input_batch.num_computed_tokens_cpu[:num_reqs]
             + num_scheduled_tokens[:num_reqs]
-            - num_nodes
         )
-        tree = tree_attention_info(layout, tree_rows, ctx_len, max_depth)
+        tree = tree_attention_info(layout, tree_rows, seq_lens, max_depth)
         return VerifyPlan(layout, linear_positions, tree)
 
     def _shift_to_mrope_depth_positions(

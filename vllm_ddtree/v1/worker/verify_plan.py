@@ -57,6 +57,11 @@ class StagedLayout:
     rows' (the rows of their packed masks); the ``host_*`` arrays are
     what the tree attention info needs on the host: the tree rows, their
     node counts and first tokens.
+
+    With ``chain_rows`` the tree rows are every row of the batch: a row
+    without drafts (a prompt or its chunk) is a chain of its query's
+    tokens there, so that the tree attention covers the whole batch (see
+    :func:`stage_layout`); ``tree_width`` is the widest tree row.
     """
 
     num_nodes: torch.Tensor
@@ -77,6 +82,8 @@ class StagedLayout:
     host_tree_rows: np.ndarray
     host_tree_nodes: np.ndarray
     host_tree_q_start: np.ndarray
+    chain_rows: bool = False
+    tree_width: int = 0
 
 
 def stage_layout(
@@ -84,20 +91,44 @@ def stage_layout(
     num_nodes: np.ndarray,
     query_end: np.ndarray,
     extra: tuple[np.ndarray, ...] = (),
+    chain_rows_upto: int = 0,
 ) -> StagedLayout:
     """Lay the batch out on the host and upload it (with ``extra``) in one
-    non-blocking copy, made while the GPU is idle."""
+    non-blocking copy, made while the GPU is idle.
+
+    ``chain_rows_upto``: when the batch has trees and every row without
+    drafts queries at most this many tokens, those rows become tree rows
+    too, as chains of their query's tokens (causal attention is the chain's
+    ancestor mask). A batch whose rows are all tree rows needs no stock
+    attention pass before the tree pass: in a step that prefills short
+    prompts beside the trees, every layer then makes one launch instead of
+    two (with eager attention, each launch costs the host more than the
+    GPU its work on a small target). ``0``: only rows with drafts are tree
+    rows. The limit keeps the tree kernel to the tree sizes it was compiled
+    for, and long prompts with FlashAttention."""
     num_nodes = num_nodes.astype(np.int64)
     query_end = query_end.astype(np.int64)
     root_index = query_end - num_nodes
     num_drafts = num_nodes - 1
     rows_host = VerifyRows.host_arrays(num_drafts)
     node_rows, node_ids = np.nonzero(rows_host[3])
-    tree_rows = np.nonzero(num_drafts > 0)[0]
+    has_drafts = num_drafts > 0
+    query_len = np.diff(query_end, prepend=0)
+    chains = (
+        chain_rows_upto > 0
+        and bool(has_drafts.any())
+        and not bool(has_drafts.all())
+        and int(query_len[~has_drafts].max()) <= chain_rows_upto
+    )
+    if chains:
+        tree_rows = np.arange(len(num_nodes))
+        tree_nodes = np.where(has_drafts, num_nodes, query_len)
+    else:
+        tree_rows = np.nonzero(has_drafts)[0]
+        tree_nodes = num_nodes[tree_rows]
     tree_index = np.full(len(num_nodes), -1, dtype=np.int64)
     tree_index[tree_rows] = np.arange(len(tree_rows))
-    tree_nodes = num_nodes[tree_rows]
-    tree_q_start = root_index[tree_rows]
+    tree_q_start = query_end[tree_rows] - tree_nodes
     uploaded = staging.upload(
         num_nodes,
         root_index,
@@ -123,11 +154,15 @@ def stage_layout(
         host_tree_rows=tree_rows,
         host_tree_nodes=tree_nodes,
         host_tree_q_start=tree_q_start,
+        chain_rows=chains,
+        tree_width=int(tree_nodes.max(initial=0)),
     )
 
 
 class LayoutStager:
-    """:func:`stage_layout` keeping the last few layouts it staged.
+    """:func:`stage_layout` (rows without drafts of up to
+    ``chain_rows_upto`` tokens as chains) keeping the last few layouts it
+    staged.
 
     In steady decoding every step of a batch has the same layout (the same
     node counts at the same offsets: at batch 1, every step), so its arrays
@@ -136,9 +171,12 @@ class LayoutStager:
     from.
     """
 
-    def __init__(self, device: torch.device | str, capacity: int = 8) -> None:
+    def __init__(
+        self, device: torch.device | str, capacity: int = 8, chain_rows_upto: int = 0
+    ) -> None:
         self.staging = HostStaging(device)
         self.capacity = capacity
+        self.chain_rows_upto = chain_rows_upto
         self._layouts: OrderedDict[tuple, StagedLayout] = OrderedDict()
 
     def __call__(
@@ -153,7 +191,9 @@ class LayoutStager:
         )
         layout = self._layouts.get(key)
         if layout is None:
-            layout = stage_layout(self.staging, num_nodes, query_end, extra)
+            layout = stage_layout(
+                self.staging, num_nodes, query_end, extra, self.chain_rows_upto
+            )
             self._layouts[key] = layout
             if len(self._layouts) > self.capacity:
                 self._layouts.popitem(last=False)
@@ -219,7 +259,9 @@ def lay_out_trees(
     see :func:`gather_tree_layout`). Moves every node's ``positions``
     (``[tokens]``, linear on entry) to its root's position plus its depth,
     in place. ``uniform`` (GPU only) also fills those graph buffers in the
-    same launch; ``parents`` then has a chain row per padding row."""
+    same launch; ``parents`` then has a chain row per padding row. A
+    layout's chain rows (see :func:`stage_layout`) get their chains in
+    ``parents``, as wide as the widest tree row."""
     if positions.is_cuda and tree_shapes is not None:
         # Imported here: only GPU processes need Triton.
         from vllm_ddtree.v1.ops.triton_verify_step import lay_out_trees_triton
@@ -244,22 +286,40 @@ def lay_out_trees_torch(
         tree_shapes, tree_row, layout.num_nodes, layout.width
     )
     positions[layout.node_tokens] += depth_shift(layout, depths)
+    parents = with_chain_rows(layout, parents)
     return parents, tree_rows_of(layout, parents, seq_lens)
+
+
+def with_chain_rows(layout: StagedLayout, parents: torch.Tensor) -> torch.Tensor:
+    """The rows' parents ``[R, W]`` widened to the widest tree row, with the
+    chains of a layout's chain rows (see :func:`stage_layout`)."""
+    if not layout.chain_rows:
+        return parents
+    width = max(layout.width, layout.tree_width)
+    node = torch.arange(width, device=parents.device)
+    # Every row is a tree row, in row order.
+    chained = (node >= layout.num_nodes[:, None]) & (node < layout.tree_nodes[:, None])
+    wide = torch.nn.functional.pad(parents, (0, width - parents.shape[1]), value=-1)
+    return torch.where(chained, node - 1, wide)
 
 
 def tree_attention_info(
     layout: StagedLayout,
     rows: TreeRows,
-    ctx_len_bound: np.ndarray,
+    seq_len_bound: np.ndarray,
     max_depth: int,
 ) -> TreeAttentionInfo | None:
     """The tree rows of the batch for the tree attention backends; ``None``
-    without any. ``ctx_len_bound`` are the host's bounds of the contexts
-    (under async scheduling the host counts every draft of the last step as
-    accepted)."""
+    without any. ``seq_len_bound`` are the host's bounds of the rows'
+    sequence lengths, query included (under async scheduling the host
+    counts every draft of the last step as accepted); ``max_depth`` bounds
+    the trees' depths (a chain row's is its length less one)."""
     tree_rows = layout.host_tree_rows
     if not len(tree_rows):
         return None
+    if layout.chain_rows:
+        max_depth = max(max_depth, layout.tree_width - 1)
+    ctx_len_bound = seq_len_bound[tree_rows] - layout.host_tree_nodes
     return TreeAttentionInfo(
         req_rows=rows.req_rows,
         q_start=rows.q_start,
@@ -270,7 +330,7 @@ def tree_attention_info(
         req_rows_cpu=tree_rows.tolist(),
         q_start_cpu=layout.host_tree_q_start.tolist(),
         num_nodes_cpu=layout.host_tree_nodes.tolist(),
-        ctx_len_cpu=ctx_len_bound[tree_rows].tolist(),
+        ctx_len_cpu=ctx_len_bound.tolist(),
         covers_batch=layout.tree_total == layout.total,
         packed=rows.packed_mask,
     )

@@ -80,7 +80,10 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         cfg = get_ddtree_config(vllm_config)
         assert cfg is not None, "the DDTree runner needs method 'ddtree'"
         self.ddtree = cfg
-        self.layouts = LayoutStager(device)
+        # Short prompts beside the trees are chain rows of the tree pass
+        # (FlashAttention then sits out that step), up to the largest tree
+        # the tree kernels are compiled for at start-up.
+        self.layouts = LayoutStager(device, chain_rows_upto=1 + cfg.budget)
         # The tree attention builders' graph buffers (shared, see
         # uniform_tree_buffers).
         self._uniform_trees = uniform_tree_buffers(vllm_config, device)
@@ -169,11 +172,10 @@ class DDTreeV2ModelRunner(GPUModelRunner):
             self.input_buffers.positions,
             self._walk_kv_commit,
         )
-        ctx_len = (
-            input_batch.seq_lens_cpu_upper_bound[:num_reqs].numpy().astype(np.int64)
-            - num_nodes
+        seq_lens = input_batch.seq_lens_cpu_upper_bound[:num_reqs].numpy()
+        tree = tree_attention_info(
+            layout, tree_rows, seq_lens.astype(np.int64), max_depth
         )
-        tree = tree_attention_info(layout, tree_rows, ctx_len, max_depth)
         if tree is not None and uniform is not None:
             tree.uniform_fill = UniformFill(uniform.buffers, uniform.num_reqs, parents)
         return VerifyPlan(layout, None, tree)
