@@ -22,6 +22,7 @@ from tests.test_triton_tree_cores import (
 )
 from tests.test_triton_verify_step import CASES as VERIFY_STEP_CASES
 from tests.test_triton_verify_step import (
+    CHAIN_ROWS_UPTO,
     UNIFORM_CASES,
     committed_rows,
     compare_uniform,
@@ -145,6 +146,7 @@ def test_verify_step_kernels_on_gpu(name):
     assert rec["mask_equal"] and rec["mask_aligned"], rec
     assert rec["order_equal"] and rec["restored"], rec
     assert rec["commit_kernel_equal"] and rec["commit_torch_equal"], rec
+    assert rec["chain_rows"] is (True if name in CHAIN_ROWS_UPTO else None), rec
 
 
 @pytest.mark.parametrize("name", list(UNIFORM_CASES))
