@@ -214,6 +214,21 @@ train_pair() {  # MINUTES LIMIT: the h200 preset into /tmp/pair-h200
   step train "$2" python3 -m vllm_ddtree.training.train_pair --preset h200 \
     --max-minutes "$1" --out /tmp/pair-h200
   cp /tmp/pair-h200/training.json "$out/"
+  # The time limit includes the tokenizer and the token stream, host work:
+  # on a slow host (2026-12-07, an H100 whose host ran 2x slower) a 2-minute
+  # run left the target 68 steps and the drafter tau 1.3 (10.1 the session
+  # before). Say what the pair is, and when it is too weak for a table.
+  python3 - /tmp/pair-h200/training.json <<'PY' | tee -a "$out/summary.txt"
+import json, sys
+report = json.load(open(sys.argv[1]))
+tau = report["heldout_greedy"]["tau"]
+steps = "; ".join(
+    f"{part} {report[part]['steps']}/{report[part]['planned_steps']} steps"
+    for part in ("target", "drafter")
+)
+weak = "  WEAK PAIR: train longer (TRAIN_MINUTES)" if tau < 4 else ""
+print(f"  pair: {steps}; held-out greedy tau {tau:.2f}{weak}")
+PY
 }
 
 # LIMIT TABLE METHODS BUDGETS [ARGS...]: engines on that pair into /tmp/TABLE,

@@ -16,7 +16,9 @@ parts are in ``v1/worker/verify_plan.py``):
 3. ``prepare_attn``: V2 computes slot mappings from the linear positions;
    then every node's position becomes its root's position plus its depth,
    in V2's persistent position buffer (which full CUDA graphs read), and the
-   trees' parents are gathered on the device by request-state slot.
+   trees' parents are gathered on the device by request-state slot. Short
+   prompts scheduled beside the trees join the tree pass as chains (see
+   ``stage_layout``), so such a step runs no FlashAttention pass.
 4. Forward; :class:`TreeWalkSampler` draws the target's token at every node
    with V2's sampler and walks the trees; the walk's launch also puts the
    linear positions back and says where each node goes with its path first.
