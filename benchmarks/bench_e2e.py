@@ -111,7 +111,7 @@ def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
 
-def _schedule(s: str) -> list[list[int]]:
+def parse_schedule(s: str) -> list[list[int]]:
     """``FIRST-LAST:K,...`` (e.g. ``1-1:64,2-8:16,9-1024:4``) as vLLM's
     ``num_speculative_tokens_per_batch_size``."""
     schedule = []
@@ -1034,7 +1034,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--schedule",
-        type=_schedule,
+        type=parse_schedule,
         help="ddtree: vLLM's batch-size schedule of tree sizes, FIRST-LAST:K,... "
         "(e.g. 1-1:64,2-8:16,9-1024:4; needs --fixed-budget)",
     )

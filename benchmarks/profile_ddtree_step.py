@@ -406,7 +406,28 @@ def step_times(
     }
 
 
+def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The engine's ``speculative_config`` for ``--method``: DDTree with a
+    fixed budget ``--budget`` (sized by batch size under ``--schedule``, as
+    ``bench_e2e.py``'s rows are), or stock DFlash's 15-token chains."""
+    if args.method == "ddtree":
+        spec = {
+            "method": "ddtree",
+            "model": args.drafter,
+            "num_speculative_tokens": args.budget,
+            "ddtree": {"adaptive_budget": False, "model_runner": args.runner},
+        }
+        if args.schedule:
+            spec["num_speculative_tokens_per_batch_size"] = args.schedule
+        return spec
+    if args.method == "dflash":
+        return {"method": "dflash", "model": args.drafter, "num_speculative_tokens": 15}
+    return None
+
+
 def main() -> None:
+    from benchmarks.bench_e2e import host_reference_ms, parse_schedule, run_steady
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", help="target model (config) dir")
     ap.add_argument("--drafter", help="DFlash drafter (config) dir")
@@ -426,6 +447,12 @@ def main() -> None:
         "--method", choices=("ddtree", "dflash", "nospec"), default="ddtree"
     )
     ap.add_argument("--budget", type=int, default=64, help="DDTree's tree budget B")
+    ap.add_argument(
+        "--schedule",
+        type=parse_schedule,
+        help="DDTree's trees by batch size, FIRST-LAST:K,... (vLLM's "
+        "num_speculative_tokens_per_batch_size; K <= --budget)",
+    )
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument(
         "--temperature",
@@ -475,18 +502,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from benchmarks.bench_e2e import host_reference_ms, run_steady
-
-    spec = None
-    if args.method == "ddtree":
-        spec = {
-            "method": "ddtree",
-            "model": args.drafter,
-            "num_speculative_tokens": args.budget,
-            "ddtree": {"adaptive_budget": False, "model_runner": args.runner},
-        }
-    elif args.method == "dflash":
-        spec = {"method": "dflash", "model": args.drafter, "num_speculative_tokens": 15}
+    spec = speculative_config(args)
     llm = LLM(
         model=args.target,
         load_format=args.load_format,

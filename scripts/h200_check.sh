@@ -43,7 +43,13 @@
 #   bash scripts/h200_check.sh profile-pair  # the trained pair's steps profiled, all on the V2
 #                                          # runner, async: DDTree B=64 and DFlash (PROFILE_METHODS,
 #                                          # PROFILE_BATCH, PROFILE_BUDGET: DDTree's B,
-#                                          # default 64; PROFILE_TAG names the run's
+#                                          # default 64; PROFILE_SCHEDULE: its trees by
+#                                          # batch size, as E2E_SCHEDULE (e.g. B = 64 at
+#                                          # batch 64 with 1-8:64,9-32:32,33-1024:16:
+#                                          # 16-node trees, prompts of up to 65 tokens
+#                                          # as chain rows; B = 16 has the same trees
+#                                          # and no chain rows for 64-token prompts);
+#                                          # PROFILE_TAG names the run's
 #                                          # logs and results; PROFILE_CAPTURE: vLLM's largest
 #                                          # CUDA graph, for batches of more than 512
 #                                          # tokens; PROFILE_TEMPERATURE; PROFILE_STEADY=N:
@@ -179,6 +185,7 @@ profile_pair() {  # the pair's DDTree (V2 runner) and DFlash steps, async, profi
       --temperature "${PROFILE_TEMPERATURE:-0}" \
       ${PROFILE_STEADY:+--steady-requests "$PROFILE_STEADY"} \
       ${PROFILE_CAPTURE:+--max-cudagraph-capture-size "$PROFILE_CAPTURE"} \
+      ${PROFILE_SCHEDULE:+--schedule "$PROFILE_SCHEDULE"} \
       --out "/tmp/prof-pair/$method$tag"
   done
   tar czf "$out/profile-pair.tgz" -C /tmp prof-pair

@@ -19,7 +19,6 @@ from benchmarks.bench_e2e import (
     EngineWorker,
     _engine_settings,
     _enough,
-    _schedule,
     _speculative_config,
     _tokens_needed,
     acceptance_histogram,
@@ -31,6 +30,7 @@ from benchmarks.bench_e2e import (
     main,
     merged_rows,
     output_digest,
+    parse_schedule,
     process_tree_cpu_seconds,
     speedup_series,
     start_engines,
@@ -349,7 +349,7 @@ def test_schedule_option_reaches_ddtree_engines_only():
     speculative config (which the plugin accepts), not in stock DFlash's."""
     from vllm_ddtree.config import parse_user_options
 
-    schedule = _schedule("1-1:64,2-8:16,9:4")
+    schedule = parse_schedule("1-1:64,2-8:16,9:4")
     assert schedule == [[1, 1, 64], [2, 8, 16], [9, 9, 4]]
     job = dict(
         drafter="drafter", budget=64, fixed_budget=True, flash_context=False,
@@ -361,7 +361,7 @@ def test_schedule_option_reaches_ddtree_engines_only():
     dflash = _speculative_config({**job, "method": "dflash", "budget": DFLASH_DRAFTS})
     assert "num_speculative_tokens_per_batch_size" not in dflash
     with pytest.raises(argparse.ArgumentTypeError, match="FIRST-LAST:K"):
-        _schedule("1-8")
+        parse_schedule("1-8")
 
 
 def test_batch_schedule_from_adaptive_tree_sizes():

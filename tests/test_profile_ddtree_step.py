@@ -2,7 +2,7 @@
 """The step profiler's per-function timers (benchmarks/profile_ddtree_step.py),
 no engine: every entry names a function of this vLLM and of the plugin (a
 renamed one would silently drop out of the profile), and the timers come
-off again."""
+off again; its speculative config follows the e2e benchmark's."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from benchmarks.profile_ddtree_step import (
     Step,
     _patch_functions,
     _unpatch,
+    speculative_config,
     step_times,
     time_phases,
     triton_compiles,
@@ -155,3 +156,30 @@ def test_phases_are_split_between_mixed_and_decode_steps(monkeypatch):
         "ms_per_decode_step": 0.5,
     }
     assert "execute_model" not in vars(runner)
+
+
+def test_schedule_sizes_ddtree_trees_only():
+    """``--schedule`` reaches a DDTree engine as vLLM's batch-size schedule
+    (the e2e benchmark's rows' trees); DFlash's chains and no-spec ignore
+    it."""
+    from benchmarks.bench_e2e import parse_schedule
+
+    schedule = parse_schedule("1-8:64,9-32:32,33-1024:16")
+
+    def config(method: str, schedule=schedule):
+        args = SimpleNamespace(
+            method=method, drafter="d", budget=64, runner="v2", schedule=schedule
+        )
+        return speculative_config(args)
+
+    spec = config("ddtree")
+    assert spec["num_speculative_tokens"] == 64
+    assert spec["num_speculative_tokens_per_batch_size"] == [
+        [1, 8, 64],
+        [9, 32, 32],
+        [33, 1024, 16],
+    ]
+    assert spec["ddtree"] == {"adaptive_budget": False, "model_runner": "v2"}
+    assert "num_speculative_tokens_per_batch_size" not in config("ddtree", None)
+    assert "num_speculative_tokens_per_batch_size" not in config("dflash")
+    assert config("nospec") is None
