@@ -244,8 +244,13 @@ def test_flash_builder_attaches_uniform_or_published_trees():
     assert uniform.tree_flash_context
     mixed = attach([N, 3])
     assert mixed.tree is tree
-    assert torch.equal(mixed.tree_block_table, block_table)
+    # The trees are the batch's rows in order: its own table, no gather.
+    assert mixed.tree_block_table is block_table
     assert not getattr(mixed, "tree_flash_context", False)
+    tree = _published(_random_parents(1, torch.Generator()), [9], rows=[1])
+    second = attach([3, N])
+    assert second.tree is tree
+    assert second.tree_block_table.tolist() == [block_table[1].tolist()]
 
 
 def test_schedule_without_speculation_keeps_decode_batches_stock():

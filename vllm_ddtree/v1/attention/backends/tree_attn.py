@@ -367,7 +367,13 @@ class TreeMetadataBuilderMixin:
             metadata.tree_block_table = metadata.block_table
             return True
         metadata.tree = tree
-        if tree is not None:
+        if tree is None:
+            return False
+        if tree.req_rows_cpu == list(range(len(tree.req_rows_cpu))):
+            # The batch's first rows in order (e.g. every row, a mixed
+            # step's prompts as chains): the backend's own table.
+            metadata.tree_block_table = metadata.block_table
+        else:
             metadata.tree_block_table = metadata.block_table.index_select(
                 0, tree.req_rows
             )
