@@ -183,7 +183,7 @@ def compare(name: str, device: str = "cpu") -> dict:
         "rows_equal": {
             f: torch.equal(getattr(got_rows, f), getattr(ref_rows, f)) for f in fields
         },
-        "chain_rows": _chain_rows_check(layout, ref_tree),
+        "chain_rows": _chain_rows_check(layout, ref_tree, CASES[name][2]),
     }
     walk = _walk(trees, tree_row, layout, ref_parents[:, : layout.width], max_depth, g)
     path = walk.path.to(device)
@@ -200,23 +200,20 @@ def compare(name: str, device: str = "cpu") -> dict:
     return res
 
 
-def _chain_rows_check(layout, tree) -> bool | None:
-    """For a layout with chain rows (else ``None``): every row is a tree
-    row, and each prefill row's is its whole query with causal attention
-    over it (its own ancestor mask, its first token, its context)."""
+def _chain_rows_check(layout, tree, rows: list[tuple[str, int]]) -> bool | None:
+    """For a layout with chain rows (else ``None``): every row of the case
+    (``rows``) is a tree row, and each prefill row's is its whole query,
+    from its first token, with causal attention over it."""
     if not layout.chain_rows:
         return None
-    num_nodes = layout.num_nodes.cpu()
-    query_end = np.asarray(layout.host_tree_q_start) + layout.host_tree_nodes
-    query_len = np.diff(query_end, prepend=0)
-    ok = tree.covers_batch and tree.req_rows_cpu == list(range(len(num_nodes)))
-    for r, n in enumerate(num_nodes.tolist()):
-        if n > 1:
+    query_lens = [n for _, n in rows]
+    ok = tree.covers_batch and tree.req_rows_cpu == list(range(len(rows)))
+    for r, (kind, q) in enumerate(rows):
+        if kind != "prefill":
             continue
-        q = int(query_len[r])
         causal = torch.ones(q, q, dtype=torch.bool).tril()
         ok &= tree.num_nodes_cpu[r] == q
-        ok &= tree.q_start_cpu[r] == int(query_end[r]) - q
+        ok &= tree.q_start_cpu[r] == sum(query_lens[:r])
         ok &= torch.equal(tree.mask[r, :q, :q].cpu(), causal)
     return bool(ok)
 
