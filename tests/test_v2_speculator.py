@@ -40,7 +40,12 @@ def _speculator() -> DDTreeSpeculator:
     spec._accepted_order = None
     # The drafter's "hidden states" are its logits; rows 0..R*DEPTH-1 are the
     # sampled positions in request-major order, as DFlash's kernel lays them.
-    spec.model = SimpleNamespace(compute_logits=lambda hidden: hidden)
+    # Its combination of the target layers' states: per token, as DFlash's
+    # projection is.
+    spec.model = SimpleNamespace(
+        compute_logits=lambda hidden: hidden,
+        combine_hidden_states=lambda states: states.sum(dim=-1, keepdim=True),
+    )
     spec.sample_indices = torch.arange(MAX_REQS * DEPTH)
     return spec
 
@@ -96,8 +101,10 @@ def test_propose_reorders_hidden_states_and_keeps_trees_by_slot(monkeypatch, wit
     )
 
     if with_aux:
-        want = torch.cat(aux, dim=-1)[permuted]
-        assert torch.equal(torch.cat(seen["aux"], dim=-1), want)
+        # Handed over combined and path-first, as the states DFlash reads.
+        want = spec.model.combine_hidden_states(torch.cat(aux, dim=-1))[permuted]
+        assert seen["aux"] is None
+        assert torch.equal(seen["hidden"], want)
     else:
         assert seen["aux"] is None
         assert seen["hidden"][:, 0].tolist() == permuted

@@ -207,14 +207,20 @@ class DDTreeSpeculator(DFlashSpeculator):
         if order is not None:
             if aux_hidden_states:
                 # DFlash reads its target layers' states alone when it has
-                # them (their concatenation, first thing, in vLLM 0.26.0's
-                # ``DFlashSpeculator.propose``): one gather of the
-                # concatenation rather than one per layer and one of the
-                # last hidden states, which it then does not read. A wrong
-                # order here costs acceptance, never correctness.
-                aux_hidden_states = [
-                    _permute_head(torch.cat(aux_hidden_states, dim=-1), order)
-                ]
+                # them: their concatenation through the drafter's
+                # ``combine_hidden_states`` (a per-token projection), first
+                # thing in vLLM 0.26.0's ``DFlashSpeculator.propose``, and
+                # otherwise the last hidden states. Combined here, one
+                # gather of the projection (a quarter of the concatenation's
+                # width with four target layers) is handed over as the
+                # states DFlash reads, and DFlash's own concatenation, a
+                # copy, is skipped. A wrong order here costs acceptance,
+                # never correctness.
+                combined = self.model.combine_hidden_states(
+                    torch.cat(aux_hidden_states, dim=-1)
+                )
+                last_hidden_states = _permute_head(combined, order)
+                aux_hidden_states = None
             else:
                 last_hidden_states = _permute_head(last_hidden_states, order)
         super().propose(
