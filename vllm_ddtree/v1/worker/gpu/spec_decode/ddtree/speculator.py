@@ -207,15 +207,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         if order is not None:
             if aux_hidden_states:
                 # DFlash reads its target layers' states alone when it has
-                # them: their concatenation through the drafter's
-                # ``combine_hidden_states`` (a per-token projection), first
-                # thing in vLLM 0.26.0's ``DFlashSpeculator.propose``, and
-                # otherwise the last hidden states. Combined here, one
-                # gather of the projection (a quarter of the concatenation's
-                # width with four target layers) is handed over as the
-                # states DFlash reads, and DFlash's own concatenation, a
-                # copy, is skipped. A wrong order here costs acceptance,
-                # never correctness.
+                # them: it projects their concatenation per token
+                # (``combine_hidden_states``, first thing in vLLM 0.26.0's
+                # ``DFlashSpeculator.propose``) and reads the last hidden
+                # states only without them. The projection is made here and
+                # handed over path-first as those states: one gather of 1/L
+                # of the concatenation's width (L target layers), and no
+                # second copy of the concatenation. A wrong order here costs
+                # acceptance, never correctness.
                 combined = self.model.combine_hidden_states(
                     torch.cat(aux_hidden_states, dim=-1)
                 )
