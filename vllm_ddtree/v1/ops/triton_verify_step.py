@@ -158,7 +158,7 @@ def lay_out_trees_triton(
     context lengths (the parents then cover the graph padding too); else
     one tree after another (:attr:`TreeRows.packed_mask`)."""
     num_reqs = tree_row.shape[0]
-    width = max(layout.width, layout.tree_width)
+    width = layout.parents_width
     num_trees = len(layout.host_tree_rows)
     device = tree_row.device
     num_rows = num_reqs if uniform is None else uniform.num_reqs

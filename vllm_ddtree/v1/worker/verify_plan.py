@@ -61,7 +61,9 @@ class StagedLayout:
     With ``chain_rows`` the tree rows are every row of the batch: a row
     without drafts (a prompt or its chunk) is a chain of its query's
     tokens there, so that the tree attention covers the whole batch (see
-    :func:`stage_layout`); ``tree_width`` is the widest tree row.
+    :func:`stage_layout`); ``parents_width`` is the widest row counting a
+    chain row's query (``width`` without chain rows), the rows' parents'
+    width.
     """
 
     num_nodes: torch.Tensor
@@ -82,8 +84,8 @@ class StagedLayout:
     host_tree_rows: np.ndarray
     host_tree_nodes: np.ndarray
     host_tree_q_start: np.ndarray
-    chain_rows: bool = False
-    tree_width: int = 0
+    chain_rows: bool
+    parents_width: int
 
 
 def stage_layout(
@@ -144,18 +146,19 @@ def stage_layout(
         *extra,
     )
     num_fields, num_rows = 10, len(rows_host)
+    width = int(num_nodes.max())
     return StagedLayout(
         *uploaded[:num_fields],
         rows=VerifyRows.from_device(uploaded[num_fields : num_fields + num_rows]),
         extra=uploaded[num_fields + num_rows :],
-        width=int(num_nodes.max()),
+        width=width,
         total=int(query_end[-1]),
         tree_total=int(tree_nodes.sum()),
         host_tree_rows=tree_rows,
         host_tree_nodes=tree_nodes,
         host_tree_q_start=tree_q_start,
         chain_rows=chains,
-        tree_width=int(tree_nodes.max(initial=0)),
+        parents_width=max(width, int(tree_nodes.max(initial=0))),
     )
 
 
@@ -295,7 +298,7 @@ def with_chain_rows(layout: StagedLayout, parents: torch.Tensor) -> torch.Tensor
     chains of a layout's chain rows (see :func:`stage_layout`)."""
     if not layout.chain_rows:
         return parents
-    width = max(layout.width, layout.tree_width)
+    width = layout.parents_width
     node = torch.arange(width, device=parents.device)
     # Every row is a tree row, in row order.
     chained = (node >= layout.num_nodes[:, None]) & (node < layout.tree_nodes[:, None])
@@ -318,7 +321,7 @@ def tree_attention_info(
     if not len(tree_rows):
         return None
     if layout.chain_rows:
-        max_depth = max(max_depth, layout.tree_width - 1)
+        max_depth = max(max_depth, layout.parents_width - 1)
     ctx_len_bound = seq_len_bound[tree_rows] - layout.host_tree_nodes
     return TreeAttentionInfo(
         req_rows=rows.req_rows,
