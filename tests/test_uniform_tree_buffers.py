@@ -235,7 +235,7 @@ def test_flash_builder_attaches_uniform_or_published_trees():
             num_reqs=len(query_lens),
             seq_lens=_seq_lens([5, 9], 0),
         )
-        builder._attach_tree(metadata, cm, tree)
+        builder._attach_tree(metadata, cm, tree, builder._uniform_buffers(cm))
         return metadata
 
     uniform = attach([N, N])
@@ -251,6 +251,66 @@ def test_flash_builder_attaches_uniform_or_published_trees():
     second = attach([3, N])
     assert second.tree is tree
     assert second.tree_block_table.tolist() == [block_table[1].tolist()]
+
+
+def test_builder_plans_no_stock_pass_for_batches_the_trees_cover():
+    """A batch whose rows are all tree rows (a uniform batch's buffers, or
+    a published tree that covers it: decode steps, prompts as chain rows)
+    runs no stock kernel, so the stock builder is asked for no extras
+    (``fast_build``: no FlashAttention 3 ahead-of-time schedule; no cascade
+    prefix); any other batch gets the caller's arguments. With
+    ``ddtree.flash_context`` a uniform batch runs FlashAttention over its
+    context and keeps them."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.v1.attention.backends.flash_tree_attn import (
+        FlashTreeAttentionMetadataBuilder,
+    )
+    from vllm_ddtree.v1.attention.backends.tree_attn import (
+        TreeMetadataBuilderMixin,
+        publish_tree,
+    )
+
+    block_table = torch.arange(8, dtype=torch.int32).view(2, 4)
+
+    class StockBuilder:
+        def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+            return SimpleNamespace(
+                block_table=block_table, planned=(common_prefix_len, fast_build)
+            )
+
+    class Builder(TreeMetadataBuilderMixin, StockBuilder):
+        pass
+
+    builder = Builder()
+    builder.uniform_trees = {N: UniformTreeBuffers(4, N, 64, torch.device("cpu"))}
+    gen = torch.Generator().manual_seed(0)
+    covering = _published(_random_parents(2, gen), [5, 9])
+    second_row = _published(_random_parents(1, gen), [9], rows=[1])
+    assert covering.covers_batch and not second_row.covers_batch
+
+    def planned(query_lens: list[int], tree) -> tuple[int, bool]:
+        cm = SimpleNamespace(
+            causal=True,
+            query_start_loc_cpu=torch.tensor([0, *query_lens]).cumsum(0),
+            num_reqs=len(query_lens),
+            seq_lens=_seq_lens([5, 9], 0),
+        )
+        with publish_tree(tree):
+            return builder.build(5, cm).planned
+
+    assert planned([N, N], covering) == (0, True)
+    assert planned([N, N], None) == (0, True)  # n-token prompts: chains
+    assert planned([N, 3], covering) == (0, True)
+    assert planned([3, N], second_row) == (5, False)
+    assert planned([3, 5], None) == (5, False)
+
+    flash = FlashTreeAttentionMetadataBuilder.__new__(FlashTreeAttentionMetadataBuilder)
+    buffers = builder.uniform_trees[N]
+    for flash.flash_context in (False, True):
+        assert flash._skips_stock_pass(covering, buffers) != flash.flash_context
+        assert flash._skips_stock_pass(covering, None)
+        assert not flash._skips_stock_pass(second_row, None)
 
 
 def test_schedule_without_speculation_keeps_decode_batches_stock():
@@ -283,7 +343,7 @@ def test_schedule_without_speculation_keeps_decode_batches_stock():
         num_reqs=2,
         seq_lens=torch.tensor([5, 9], dtype=torch.int32),
     )
-    assert not builder._attach_tree(metadata, cm, None)
+    assert not builder._attach_tree(metadata, cm, None, builder._uniform_buffers(cm))
     assert metadata.tree is None
 
 
@@ -324,7 +384,7 @@ def test_schedule_widths_get_buffers_of_their_own():
             num_reqs=2,
             seq_lens=_seq_lens([5, 9], 0),
         )
-        builder._attach_tree(metadata, cm, tree)
+        builder._attach_tree(metadata, cm, tree, builder._uniform_buffers(cm))
         return metadata
 
     narrow = attach(N)

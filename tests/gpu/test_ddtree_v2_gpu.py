@@ -205,9 +205,9 @@ def test_v2_requests_entering_mid_run(fixtures, expected, monkeypatch):
     stage = verify_plan.stage_layout
     mixed, chained = [], []
 
-    def counted_attach(self, metadata, common_attn_metadata, tree):
+    def counted_attach(self, metadata, common_attn_metadata, tree, buffers):
         mixed.append(tree is not None and not tree.covers_batch)
-        return attach(self, metadata, common_attn_metadata, tree)
+        return attach(self, metadata, common_attn_metadata, tree, buffers)
 
     def counted_stage(*args, **kwargs):
         layout = stage(*args, **kwargs)

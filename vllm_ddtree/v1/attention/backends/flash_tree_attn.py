@@ -67,8 +67,14 @@ class FlashTreeAttentionMetadataBuilder(
         if cfg is not None:
             self.uniform_trees = uniform_tree_buffers(vllm_config, device)
 
-    def _attach_tree(self, metadata, common_attn_metadata, tree) -> bool:
-        uniform = super()._attach_tree(metadata, common_attn_metadata, tree)
+    def _skips_stock_pass(self, tree, buffers) -> bool:
+        # ``flash_context`` runs FlashAttention over a uniform batch's context.
+        if buffers is not None and self.flash_context:
+            return False
+        return super()._skips_stock_pass(tree, buffers)
+
+    def _attach_tree(self, metadata, common_attn_metadata, tree, buffers) -> bool:
+        uniform = super()._attach_tree(metadata, common_attn_metadata, tree, buffers)
         metadata.tree_flash_context = uniform and self.flash_context
         # This batch's tree passes by layer geometry, planned in the first
         # layer of each (see ``TreePass``).

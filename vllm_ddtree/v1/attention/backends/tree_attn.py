@@ -351,16 +351,39 @@ class TreeMetadataBuilderMixin:
     uniform_trees: dict[int, UniformTreeBuffers] | None = None
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        tree = current_tree() if common_attn_metadata.causal is True else None
-        self._attach_tree(metadata, common_attn_metadata, tree)
+        cm = common_attn_metadata
+        causal = cm.causal is True
+        tree = current_tree() if causal else None
+        buffers = self._uniform_buffers(cm) if causal else None
+        if self._skips_stock_pass(tree, buffers):
+            # TreeAttentionImplMixin.forward runs no stock kernel on this
+            # batch: plan none of its extras (with FlashAttention 3, its
+            # ahead-of-time schedule: a launch and two copies a step, every
+            # decode step of a tree batch; a cascade's shared prefix).
+            common_prefix_len, fast_build = 0, True
+        metadata = super().build(common_prefix_len, cm, fast_build)
+        self._attach_tree(metadata, cm, tree, buffers)
         return metadata
 
-    def _attach_tree(self, metadata, common_attn_metadata, tree) -> bool:
+    def _skips_stock_pass(
+        self, tree: TreeAttentionInfo | None, buffers: UniformTreeBuffers | None
+    ) -> bool:
+        """Whether the tree rows cover the batch (a uniform batch's buffers
+        describe every row, see :meth:`UniformTreeBuffers.fill`), so that
+        the attention runs no stock kernel."""
+        return buffers is not None or (tree is not None and tree.covers_batch)
+
+    def _attach_tree(
+        self,
+        metadata,
+        common_attn_metadata,
+        tree: TreeAttentionInfo | None,
+        buffers: UniformTreeBuffers | None,
+    ) -> bool:
         """Set ``metadata.tree`` and, for a tree, ``tree_block_table``;
-        return whether the batch went through :attr:`uniform_trees`."""
+        return whether the batch went through :attr:`uniform_trees`
+        (``buffers``: :meth:`_uniform_buffers` of a causal batch)."""
         cm = common_attn_metadata
-        buffers = self._uniform_buffers(cm) if cm.causal is True else None
         if buffers is not None:
             metadata.tree = buffers.fill(cm.num_reqs, cm.seq_lens, tree)
             # Rows are the batch's requests in order: the backend's own table.
