@@ -78,8 +78,11 @@ def _case(
     seed: int,
     device: str,
     chain_rows_upto: int = 0,
+    node_maps: bool = True,
 ):
-    """The layout, trees by slot and step inputs of one case, on ``device``."""
+    """The layout (staged with ``node_maps`` or without, see
+    ``stage_layout``), trees by slot and step inputs of one case, on
+    ``device``."""
     from vllm_ddtree.v1.spec_decode.tree import build_trees
     from vllm_ddtree.v1.worker.host_staging import HostStaging
     from vllm_ddtree.v1.worker.verify_plan import stage_layout
@@ -99,6 +102,7 @@ def _case(
         num_nodes,
         np.cumsum(query_lens),
         chain_rows_upto=chain_rows_upto,
+        node_maps=node_maps,
     )
     context = torch.randint(0, 50, (len(rows),), generator=g)
     positions = torch.cat(
@@ -135,7 +139,9 @@ def _walk(trees, tree_row, layout, parents, max_depth, g):
 
 
 def compare(name: str, device: str = "cpu") -> dict:
-    """The kernels' results next to the torch forms' for case ``name``."""
+    """The kernels' results next to the torch forms' for case ``name``. The
+    kernels read the layout as the V2 runner stages it on a GPU, without the
+    node maps that the torch forms read."""
     from vllm_ddtree.v1.ops.triton_verify_step import (
         lay_out_trees_triton,
         path_first_order_triton,
@@ -147,9 +153,9 @@ def compare(name: str, device: str = "cpu") -> dict:
     )
 
     budget, max_depth, *_ = CASES[name]
-    trees, layout, tree_row, positions, seq_lens, g = _case(
-        *CASES[name], device, CHAIN_ROWS_UPTO.get(name, 0)
-    )
+    upto = CHAIN_ROWS_UPTO.get(name, 0)
+    trees, layout, tree_row, positions, seq_lens, g = _case(*CASES[name], device, upto)
+    lean = _case(*CASES[name], device, upto, node_maps=False)[1]
     shapes = (trees.parents.to(device), trees.depths.to(device))
     ref_positions = positions.clone()
     ref_parents, ref_rows = lay_out_trees_torch(
@@ -157,7 +163,7 @@ def compare(name: str, device: str = "cpu") -> dict:
     )
     got_positions = positions.clone()
     got_parents, got_rows = lay_out_trees_triton(
-        layout, shapes, tree_row, got_positions, seq_lens
+        lean, shapes, tree_row, got_positions, seq_lens
     )
     fields = ("req_rows", "q_start", "num_nodes", "ctx_len", "parents")
     # The masks packed by the lay-out against the tree metadata's own
@@ -184,12 +190,13 @@ def compare(name: str, device: str = "cpu") -> dict:
             f: torch.equal(getattr(got_rows, f), getattr(ref_rows, f)) for f in fields
         },
         "chain_rows": _chain_rows_check(layout, ref_tree, CASES[name][2]),
+        "lean_layout": _same_but_node_maps(lean, layout),
     }
     walk = _walk(trees, tree_row, layout, ref_parents[:, : layout.width], max_depth, g)
     path = walk.path.to(device)
     num_tokens = positions.shape[0]
     ref = path_first_order_torch(layout, path, num_tokens, ref_positions)
-    got = path_first_order_triton(layout, path, num_tokens, got_positions)
+    got = path_first_order_triton(lean, path, num_tokens, got_positions)
     res.update(
         _commit_results(layout, path, num_tokens, g),
         order_equal=torch.equal(got, ref),
@@ -198,6 +205,29 @@ def compare(name: str, device: str = "cpu") -> dict:
         max_accepted=int(walk.num_accepted.max()),
     )
     return res
+
+
+def _same_but_node_maps(lean, layout) -> bool:
+    """``lean`` (staged without node maps) is ``layout`` less those: the
+    same arrays elsewhere, the node maps and the sampler's rows ``None``."""
+    from dataclasses import fields
+
+    maps = ("node_tokens", "node_rows", "node_ids", "rows")
+    ok = all(getattr(lean, f) is None for f in maps)
+    ok &= layout.rows.logit_rows is layout.logit_rows
+    for field in fields(layout):
+        if field.name in maps:
+            continue
+        want, got = getattr(layout, field.name), getattr(lean, field.name)
+        if field.name == "extra":
+            ok &= len(got) == len(want) and all(map(torch.equal, got, want))
+        elif isinstance(want, torch.Tensor):
+            ok &= torch.equal(got, want)
+        elif isinstance(want, np.ndarray):
+            ok &= np.array_equal(got, want)
+        else:
+            ok &= got == want
+    return bool(ok)
 
 
 def _chain_rows_check(layout, tree, rows: list[tuple[str, int]]) -> bool | None:
@@ -297,6 +327,8 @@ def compare_uniform(name: str, device: str = "cpu") -> dict:
 
     case, padding = UNIFORM_CASES[name]
     trees, layout, tree_row, positions, seq_lens, _ = _case(*case, device)
+    # The kernel reads the layout as the V2 runner stages it on a GPU.
+    lean = _case(*case, device, node_maps=False)[1]
     num_reqs, n = tree_row.shape[0], layout.width
     num_rows = num_reqs + padding
     shapes = (trees.parents.to(device), trees.depths.to(device))
@@ -322,7 +354,7 @@ def compare_uniform(name: str, device: str = "cpu") -> dict:
     ]
     got_positions = positions.clone()
     got_parents, _ = lay_out_trees_triton(
-        layout,
+        lean,
         shapes,
         tree_row,
         got_positions,
@@ -383,6 +415,7 @@ def test_verify_step_kernels_interpreted(interp_results, name):
     assert rec["depth_moved"] and rec["max_accepted"] >= 2, rec
     # Prefill rows became chain rows exactly where the case allows them.
     assert rec["chain_rows"] is (True if name in CHAIN_ROWS_UPTO else None), rec
+    assert rec["lean_layout"], rec
 
 
 @pytest.mark.parametrize("name", list(UNIFORM_CASES))

@@ -147,6 +147,7 @@ def test_verify_step_kernels_on_gpu(name):
     assert rec["order_equal"] and rec["restored"], rec
     assert rec["commit_kernel_equal"] and rec["commit_torch_equal"], rec
     assert rec["chain_rows"] is (True if name in CHAIN_ROWS_UPTO else None), rec
+    assert rec["lean_layout"], rec
 
 
 @pytest.mark.parametrize("name", list(UNIFORM_CASES))

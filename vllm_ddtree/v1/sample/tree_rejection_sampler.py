@@ -65,18 +65,20 @@ class VerifyRows:
     def host_arrays(num_draft: np.ndarray) -> tuple[np.ndarray, ...]:
         """The maps on the host, in field order."""
         num_nodes = num_draft + 1
-        width = int(num_nodes.max())
-        node_ids = np.arange(width)
-        valid = node_ids[None, :] < num_nodes[:, None]
-        is_draft = valid & (node_ids[None, :] > 0)
-        logit_starts = np.cumsum(num_nodes) - num_nodes
+        node_ids = np.arange(int(num_nodes.max()))
+        is_draft = (node_ids < num_nodes[:, None]) & (node_ids > 0)
         draft_starts = np.cumsum(num_draft) - num_draft
-        logit_rows = np.where(valid, logit_starts[:, None] + node_ids[None, :], 0)
-        draft_rows = np.where(
-            is_draft, draft_starts[:, None] + node_ids[None, :] - 1, 0
-        )
+        draft_rows = np.where(is_draft, draft_starts[:, None] + node_ids - 1, 0)
         node_req = np.repeat(np.arange(len(num_nodes)), num_nodes)
+        logit_rows = VerifyRows.logit_rows_of(num_nodes)
         return num_nodes, logit_rows, draft_rows, is_draft, node_req
+
+    @staticmethod
+    def logit_rows_of(num_nodes: np.ndarray) -> np.ndarray:
+        """``logit_rows`` on the host from each request's node count."""
+        node_ids = np.arange(int(num_nodes.max()))
+        starts = np.cumsum(num_nodes) - num_nodes
+        return np.where(node_ids < num_nodes[:, None], starts[:, None] + node_ids, 0)
 
     @classmethod
     def from_device(cls, tensors: list[torch.Tensor]) -> VerifyRows:

@@ -50,11 +50,15 @@ class StagedLayout:
     are the rows with drafts, with their ``tree_nodes`` and
     ``tree_q_start`` (``tree_index``: each row's index among them, ``-1``
     for none; ``tree_mask_start``: the first row of each one's ancestor
-    masks when the trees' masks are packed one after another); ``rows`` the
-    sampler's maps;
-    ``extra`` any arrays the caller added to the copy. ``width`` is the
-    widest row, ``total`` the batch's token count, ``tree_total`` its tree
-    rows' (the rows of their packed masks); the ``host_*`` arrays are
+    masks when the trees' masks are packed one after another);
+    ``logit_rows`` (``[R, W]``, 0 past a row's nodes) the logit row of
+    every node; ``rows`` the V1 sampler's maps (its ``logit_rows`` and
+    ``num_nodes`` are the same tensors); ``extra`` any arrays the caller
+    added to the copy. Staged without node maps (see :func:`stage_layout`),
+    ``node_tokens``, ``node_rows``, ``node_ids`` and ``rows`` are ``None``.
+    ``width`` is the widest row, ``total`` the batch's token count,
+    ``tree_total`` its tree rows' (the rows of their packed masks); the
+    ``host_*`` arrays are
     what the tree attention info needs on the host: the tree rows, their
     node counts and first tokens.
 
@@ -68,15 +72,16 @@ class StagedLayout:
 
     num_nodes: torch.Tensor
     root_index: torch.Tensor
-    node_tokens: torch.Tensor
-    node_rows: torch.Tensor
-    node_ids: torch.Tensor
+    node_tokens: torch.Tensor | None
+    node_rows: torch.Tensor | None
+    node_ids: torch.Tensor | None
     tree_rows: torch.Tensor
     tree_nodes: torch.Tensor
     tree_q_start: torch.Tensor
     tree_index: torch.Tensor
     tree_mask_start: torch.Tensor
-    rows: VerifyRows
+    logit_rows: torch.Tensor
+    rows: VerifyRows | None
     extra: list[torch.Tensor]
     width: int
     total: int
@@ -94,9 +99,18 @@ def stage_layout(
     query_end: np.ndarray,
     extra: tuple[np.ndarray, ...] = (),
     chain_rows_upto: int = 0,
+    node_maps: bool = True,
 ) -> StagedLayout:
     """Lay the batch out on the host and upload it (with ``extra``) in one
     non-blocking copy, made while the GPU is idle.
+
+    ``node_maps``: also stage the per-node maps that the torch forms of the
+    lay-out and the path-first order, and the V1 runner's sampler, read
+    (``node_tokens`` / ``node_rows`` / ``node_ids`` and ``rows``). The V2
+    runner's Triton launches find every node from its row's first token and
+    node count and read only ``logit_rows``: without the maps a layout's
+    staging (new at every step that admits or retires a request) derives
+    and uploads about half as much.
 
     ``chain_rows_upto``: when the batch has trees and every row without
     drafts queries at most this many tokens, those rows become tree rows
@@ -112,16 +126,11 @@ def stage_layout(
     query_end = query_end.astype(np.int64)
     root_index = query_end - num_nodes
     num_drafts = num_nodes - 1
-    rows_host = VerifyRows.host_arrays(num_drafts)
-    node_rows, node_ids = np.nonzero(rows_host[3])
     has_drafts = num_drafts > 0
-    query_len = np.diff(query_end, prepend=0)
-    chains = (
-        chain_rows_upto > 0
-        and bool(has_drafts.any())
-        and not bool(has_drafts.all())
-        and int(query_len[~has_drafts].max()) <= chain_rows_upto
-    )
+    # Only a batch with rows of both kinds can have chain rows.
+    mixed = chain_rows_upto > 0 and has_drafts.any() and not has_drafts.all()
+    query_len = np.diff(query_end, prepend=0) if mixed else None
+    chains = bool(mixed) and int(query_len[~has_drafts].max()) <= chain_rows_upto
     if chains:
         tree_rows = np.arange(len(num_nodes))
         tree_nodes = np.where(has_drafts, num_nodes, query_len)
@@ -131,26 +140,40 @@ def stage_layout(
     tree_index = np.full(len(num_nodes), -1, dtype=np.int64)
     tree_index[tree_rows] = np.arange(len(tree_rows))
     tree_q_start = query_end[tree_rows] - tree_nodes
+    if node_maps:
+        _, logit_rows, *sampler_maps = VerifyRows.host_arrays(num_drafts)
+        node_rows, node_ids = np.nonzero(sampler_maps[1])
+        maps = (root_index[node_rows] + node_ids, node_rows, node_ids, *sampler_maps)
+    else:
+        logit_rows, maps = VerifyRows.logit_rows_of(num_nodes), ()
     uploaded = staging.upload(
         num_nodes,
         root_index,
-        root_index[node_rows] + node_ids,
-        node_rows,
-        node_ids,
+        logit_rows,
         tree_rows,
         tree_nodes,
         tree_q_start,
         tree_index,
         np.cumsum(tree_nodes) - tree_nodes,
-        *rows_host,
+        *maps,
         *extra,
     )
-    num_fields, num_rows = 10, len(rows_host)
+    num_nodes_d, root_index_d, logit_rows_d, *tree_fields = uploaded[:8]
+    node_fields, rows = (None, None, None), None
+    if node_maps:
+        *node_fields, draft_rows, is_draft, node_req = uploaded[8:14]
+        rows = VerifyRows.from_device(
+            [num_nodes_d, logit_rows_d, draft_rows, is_draft, node_req]
+        )
     width = int(num_nodes.max())
     return StagedLayout(
-        *uploaded[:num_fields],
-        rows=VerifyRows.from_device(uploaded[num_fields : num_fields + num_rows]),
-        extra=uploaded[num_fields + num_rows :],
+        num_nodes_d,
+        root_index_d,
+        *node_fields,
+        *tree_fields,
+        logit_rows=logit_rows_d,
+        rows=rows,
+        extra=uploaded[8 + len(maps) :],
         width=width,
         total=int(query_end[-1]),
         tree_total=int(tree_nodes.sum()),
@@ -164,8 +187,8 @@ def stage_layout(
 
 class LayoutStager:
     """:func:`stage_layout` (rows without drafts of up to
-    ``chain_rows_upto`` tokens as chains) keeping the last few layouts it
-    staged.
+    ``chain_rows_upto`` tokens as chains; the node maps if ``node_maps``)
+    keeping the last few layouts it staged.
 
     In steady decoding every step of a batch has the same layout (the same
     node counts at the same offsets: at batch 1, every step), so its arrays
@@ -175,11 +198,16 @@ class LayoutStager:
     """
 
     def __init__(
-        self, device: torch.device | str, capacity: int = 8, chain_rows_upto: int = 0
+        self,
+        device: torch.device | str,
+        capacity: int = 8,
+        chain_rows_upto: int = 0,
+        node_maps: bool = True,
     ) -> None:
         self.staging = HostStaging(device)
         self.capacity = capacity
         self.chain_rows_upto = chain_rows_upto
+        self.node_maps = node_maps
         self._layouts: OrderedDict[tuple, StagedLayout] = OrderedDict()
 
     def __call__(
@@ -195,7 +223,12 @@ class LayoutStager:
         layout = self._layouts.get(key)
         if layout is None:
             layout = stage_layout(
-                self.staging, num_nodes, query_end, extra, self.chain_rows_upto
+                self.staging,
+                num_nodes,
+                query_end,
+                extra,
+                self.chain_rows_upto,
+                self.node_maps,
             )
             self._layouts[key] = layout
             if len(self._layouts) > self.capacity:

@@ -84,8 +84,13 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         self.ddtree = cfg
         # Short prompts beside the trees are chain rows of the tree pass
         # (FlashAttention then sits out that step), up to the largest tree
-        # the tree kernels are compiled for at start-up.
-        self.layouts = LayoutStager(device, chain_rows_upto=1 + cfg.budget)
+        # the tree kernels are compiled for at start-up. On a GPU the step's
+        # Triton launches need no node maps (the torch forms, on a CPU, do).
+        self.layouts = LayoutStager(
+            device,
+            chain_rows_upto=1 + cfg.budget,
+            node_maps=torch.device(device).type != "cuda",
+        )
         # The tree attention builders' graph buffers (shared, see
         # uniform_tree_buffers).
         self._uniform_trees = uniform_tree_buffers(vllm_config, device)

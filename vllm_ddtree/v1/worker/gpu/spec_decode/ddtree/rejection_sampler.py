@@ -31,7 +31,6 @@ from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 from vllm_ddtree.v1.ops.triton_kv_commit import SlotRowsCommit
 from vllm_ddtree.v1.ops.triton_tree_cores import PathFirstOrder, walk_trees_triton
 from vllm_ddtree.v1.ops.triton_verify_step import path_first_targets
-from vllm_ddtree.v1.sample.tree_rejection_sampler import VerifyRows
 from vllm_ddtree.v1.spec_decode.tree import WalkResult, path_first_permutation
 from vllm_ddtree.v1.worker.verify_plan import StagedLayout
 
@@ -101,7 +100,7 @@ class TreeWalkSampler(RejectionSampler):
             input_batch.expanded_local_pos,
             return_logprobs=return_logprobs,
         )
-        layout = step.layout.rows
+        layout = step.layout
         width = layout.logit_rows.shape[1]
         sampled = torch.full(
             (input_batch.num_reqs, self.num_columns),
@@ -110,7 +109,7 @@ class TreeWalkSampler(RejectionSampler):
             device=logits.device,
         )
         path_first = path_first_targets(
-            step.layout, input_batch.num_tokens_after_padding, step.positions
+            layout, input_batch.num_tokens_after_padding, step.positions
         )
         # Every logit row's token and choice, read at each node's row.
         walk = walk_trees_triton(
@@ -156,7 +155,7 @@ class TreeWalkSampler(RejectionSampler):
         )
 
 
-def path_first_rows(walk: WalkResult, layout: VerifyRows, num_logits: int):
+def path_first_rows(walk: WalkResult, layout: StagedLayout, num_logits: int):
     """``[num_logits]`` logit rows with each request's rows reordered so that
     its accepted path (root first) leads, the rest following in node order."""
     perm = path_first_permutation(walk.path, layout.logit_rows.shape[1])
