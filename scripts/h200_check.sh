@@ -15,6 +15,10 @@
 #                                          # while the machine stays warm; run other modes meanwhile
 #   bash scripts/h200_check.sh soak-finish # wait for it (SOAK_WAIT seconds at most), collect results
 #   bash scripts/h200_check.sh engine NAME SECONDS FILE K  # one engine test (pytest -k K)
+#   bash scripts/h200_check.sh pending # what changed since the last GPU run: the verify-step
+#                                      # kernels on lean layouts, V2 greedy with CUDA graphs
+#                                      # (covered batches plan no FlashAttention), V2 requests
+#                                      # entering mid-run (chain rows, block table) (~9 min)
 #   bash scripts/h200_check.sh hybrid  # hybrid engines: greedy eager / CUDA graphs, prefix caching (~9.7 min)
 #   bash scripts/h200_check.sh kernels # tree-attention + hybrid verify kernel benchmarks (~6 min)
 #   bash scripts/h200_check.sh verify-costs # GDN kernel tests, the GDN share of a
@@ -81,7 +85,7 @@
 # most 8 files), a summary goes to
 # stdout and $OUT/summary.txt, benchmark JSON to $OUT.
 set -u
-mode=${1:?usage: h200_check.sh tests|engines|engine|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|cores|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-8b-async-v2|e2e-hybrid|e2e-qwen35|e2e-30b|profile|profile-pair|train|train-e2e|train-e2e-async-v2|e2e|e2e-more|e2e-async|e2e-async-v2}
+mode=${1:?usage: h200_check.sh tests|engines|engine|pending|async|graphs|sampling|serve|soak|soak-start|soak-finish|hybrid|kernels|cores|verify-costs|sweep|shapes|caches|e2e-8b|e2e-8b-flash|e2e-8b-v1|e2e-8b-async|e2e-8b-async-flash|e2e-8b-async-v2|e2e-hybrid|e2e-qwen35|e2e-30b|profile|profile-pair|train|train-e2e|train-e2e-async-v2|e2e|e2e-more|e2e-async|e2e-async-v2}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source /tmp/site/env.sh
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -359,6 +363,18 @@ soak-finish)
 engine)
   # One engine test alone: h200_check.sh engine NAME SECONDS FILE PYTEST_K
   engine_test "$2" "$3" "$4" "$5"
+  ;;
+pending)
+  # The thirty-fifth session's CPU-tested changes (device time ran out
+  # before any call): the lay-out, path-first and commit kernels reading
+  # layouts staged without node maps; then engines whose tree steps skip
+  # FlashAttention's planning (uniform batches in full graphs; mixed steps
+  # with chain rows) and stage lean layouts, against V2 no-spec. The first
+  # engine of a fresh machine also pays vLLM's kernel JIT.
+  step verify-step-gpu 150 python3 -m pytest -q -rf tests/gpu/test_tree_cores_gpu.py \
+    -k "verify_step_kernels or uniform_buffers"
+  engine_test v2-greedy-graphs 240 tests/gpu/test_ddtree_v2_gpu.py "greedy_equals and False-16"
+  engine_test v2-mid-run 180 tests/gpu/test_ddtree_v2_gpu.py entering_mid_run
   ;;
 hybrid)
   # One no-spec reference per mode, then a DDTree engine per budget; the
