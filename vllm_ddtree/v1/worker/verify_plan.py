@@ -58,9 +58,8 @@ class StagedLayout:
     ``node_tokens``, ``node_rows``, ``node_ids`` and ``rows`` are ``None``.
     ``width`` is the widest row, ``total`` the batch's token count,
     ``tree_total`` its tree rows' (the rows of their packed masks); the
-    ``host_*`` arrays are
-    what the tree attention info needs on the host: the tree rows, their
-    node counts and first tokens.
+    ``host_*`` arrays are what the tree attention info needs on the host:
+    the tree rows, their node counts and first tokens.
 
     With ``chain_rows`` the tree rows are every row of the batch: a row
     without drafts (a prompt or its chunk) is a chain of its query's
@@ -110,7 +109,7 @@ def stage_layout(
     runner's Triton launches find every node from its row's first token and
     node count and read only ``logit_rows``: without the maps a layout's
     staging (new at every step that admits or retires a request) derives
-    and uploads about half as much.
+    and uploads eight arrays instead of fourteen.
 
     ``chain_rows_upto``: when the batch has trees and every row without
     drafts queries at most this many tokens, those rows become tree rows
@@ -146,7 +145,7 @@ def stage_layout(
         maps = (root_index[node_rows] + node_ids, node_rows, node_ids, *sampler_maps)
     else:
         logit_rows, maps = VerifyRows.logit_rows_of(num_nodes), ()
-    uploaded = staging.upload(
+    common = (
         num_nodes,
         root_index,
         logit_rows,
@@ -155,13 +154,13 @@ def stage_layout(
         tree_q_start,
         tree_index,
         np.cumsum(tree_nodes) - tree_nodes,
-        *maps,
-        *extra,
     )
-    num_nodes_d, root_index_d, logit_rows_d, *tree_fields = uploaded[:8]
+    uploaded = staging.upload(*common, *maps, *extra)
+    num_nodes_d, root_index_d, logit_rows_d, *tree_fields = uploaded[: len(common)]
+    maps_d = uploaded[len(common) : len(common) + len(maps)]
     node_fields, rows = (None, None, None), None
     if node_maps:
-        *node_fields, draft_rows, is_draft, node_req = uploaded[8:14]
+        *node_fields, draft_rows, is_draft, node_req = maps_d
         rows = VerifyRows.from_device(
             [num_nodes_d, logit_rows_d, draft_rows, is_draft, node_req]
         )
@@ -173,7 +172,7 @@ def stage_layout(
         *tree_fields,
         logit_rows=logit_rows_d,
         rows=rows,
-        extra=uploaded[8 + len(maps) :],
+        extra=uploaded[len(common) + len(maps) :],
         width=width,
         total=int(query_end[-1]),
         tree_total=int(tree_nodes.sum()),
