@@ -365,8 +365,8 @@ engine)
   engine_test "$2" "$3" "$4" "$5"
   ;;
 pending)
-  # The thirty-fifth session's CPU-tested changes (device time ran out
-  # before any call): the lay-out, path-first and commit kernels reading
+  # The thirty-fifth session's CPU-tested changes (no machine was lent to
+  # that session): the lay-out, path-first and commit kernels reading
   # layouts staged without node maps; then engines whose tree steps skip
   # FlashAttention's planning (uniform batches in full graphs; mixed steps
   # with chain rows) and stage lean layouts, against V2 no-spec. The first
