@@ -141,7 +141,8 @@ def stage_layout(
     tree_q_start = query_end[tree_rows] - tree_nodes
     if node_maps:
         _, logit_rows, *sampler_maps = VerifyRows.host_arrays(num_drafts)
-        node_rows, node_ids = np.nonzero(sampler_maps[1])
+        _, is_draft, _ = sampler_maps
+        node_rows, node_ids = np.nonzero(is_draft)
         maps = (root_index[node_rows] + node_ids, node_rows, node_ids, *sampler_maps)
     else:
         logit_rows, maps = VerifyRows.logit_rows_of(num_nodes), ()
