@@ -117,7 +117,7 @@ def no_spec_reference(
     llm: LLM,
     prompts: list[list[int]],
     max_tokens: int = MAX_TOKENS,
-    min_fraction: float = 0.7,
+    min_fraction: float = 0.5,
 ) -> list[list[int]]:
     """No-spec greedy outputs, each cut before its first near-tie.
 
@@ -137,8 +137,10 @@ def no_spec_reference(
         ids = list(out.outputs[0].token_ids)
         ties = [i for i, gap in enumerate(top2_gaps(out)) if gap < TIE]
         cut.append(ids[: ties[0]] if ties else ids)
-    # Ties must stay rare, or the comparison would prove little (an AVX2-only
-    # CPU keeps 77% of the tokens, AVX-512 ones more).
+    # Ties must stay rare, or the comparison would prove little. How rare
+    # depends on the CPU's kernels: AVX-512 machines keep more than 77% of
+    # the tokens, AVX2-only ones 77% (one EPYC) or 68.5% (another, 329 of
+    # 480, 2026-12-07).
     assert sum(map(len, cut)) > min_fraction * max_tokens * len(prompts)
     return cut
 
