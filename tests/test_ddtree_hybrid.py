@@ -59,6 +59,11 @@ SAMPLED_PROMPTS = 36
 # difference of the chunked and the recurrent GDN paths.
 SAMPLED_TIE = 2 * TIE
 MAX_TOKENS = 40
+# Mean acceptance length the greedy tests' trees (B >= 8) must reach. The
+# oracle drafter knows each reference only up to its first near-tie, and how
+# many near-ties a CPU's kernels produce varies: B = 8 accepted 1.92 on an
+# AVX2-only EPYC (2026-12-07), more than 2 on AVX-512 ones.
+GREEDY_MIN_TAU = 1.6
 # The token budget left after the drafter's slots (256 - 8 x 14) chunks the
 # 150-token prompt and cuts large trees to a prefix of their nodes.
 ENGINE_ARGS = dict(max_num_batched_tokens=256, max_num_seqs=8)
@@ -210,7 +215,7 @@ def test_hybrid_greedy_equals_no_spec(fixtures, target, reference, budget):
         for i, (want, have) in enumerate(zip(reference, got, strict=False)):
             assert have[: len(want)] == want, f"prompt {i} differs at batch {batch}"
     print(f"\n[hybrid B={budget}] tau {tau:.2f}")
-    assert tau > (1.3 if budget == 1 else 2.0), tau
+    assert tau > (1.3 if budget == 1 else GREEDY_MIN_TAU), tau
 
 
 def test_hybrid_greedy_equals_no_spec_with_async_scheduling(
@@ -224,7 +229,7 @@ def test_hybrid_greedy_equals_no_spec_with_async_scheduling(
         )
     for i, (want, have) in enumerate(zip(reference, results[8], strict=True)):
         assert have[: len(want)] == want, f"prompt {i} differs"
-    assert tau > 2.0, tau
+    assert tau > GREEDY_MIN_TAU, tau
 
 
 @pytest.fixture(scope="module")
