@@ -621,6 +621,9 @@ def main() -> None:
     stats.sort_stats("cumulative").print_stats("vllm_ddtree", 80)
     # Who waits for the device: every caller of a host-device sync.
     stats.print_callers(r"method '(cpu|item|tolist|synchronize)'")
+    # Where the speculator's and the sampler's time goes, call by call
+    # (their own lines above sum their callees' time, GPU waits included).
+    stats.print_callees(r"speculator.py:\d+\(propose\)|rejection_sampler.py.*__call__")
     (args.out / "cprofile.txt").write_text(text.getvalue())
 
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * on_gpu
