@@ -138,11 +138,20 @@ step() {
   printf '%-28s rc=%-3s %4ss  %s\n' "$name" "$rc" $((SECONDS - start)) "$tail" |
     tee -a "$out/summary.txt"
   grep -E "^(FAILED|ERROR) " "$logs/$name.log" | tee -a "$out/summary.txt"
-  # Kernels vLLM's JIT monitor saw compile after warm-up (a latency spike
-  # inside whatever the step timed): name them next to the step.
+  # Kernels vLLM's JIT monitor saw compile while an engine served (a
+  # latency spike inside whatever the step timed): name them next to the
+  # step. The monitor stays armed once a process's first engine has warmed
+  # up, so a second engine's start-up compiles are logged the same way:
+  # only lines between an engine's "init engine ... took" and the next
+  # engine's start count, and only vLLM's own timestamped lines (pytest
+  # repeats the captured log under another format).
   local jit
-  jit=$(grep -o "JIT compilation during inference: [A-Za-z0-9_]*" "$logs/$name.log" |
-    sed 's/.*: //' | sort | uniq -c | awk '{printf "%s%s x%s", sep, $2, $1; sep=", "}')
+  jit=$(awk '
+    /[A-Z]+ [0-9-]+ [0-9:]+ \[core\.py:[0-9]+\] Initializing a V1 LLM engine/ { serving = 0 }
+    /[A-Z]+ [0-9-]+ [0-9:]+ \[core\.py:[0-9]+\] init engine .* took/ { serving = 1 }
+    serving && match($0, /WARNING [0-9-]+ [0-9:]+ \[jit_monitor\.py:[0-9]+\] Triton kernel JIT compilation during inference: [A-Za-z0-9_]+/) {
+      line = substr($0, RSTART, RLENGTH); sub(/.*: /, "", line); print line
+    }' "$logs/$name.log" | sort | uniq -c | awk '{printf "%s%s x%s", sep, $2, $1; sep=", "}')
   [ -n "$jit" ] && echo "  compiled mid-serving: $jit" | tee -a "$out/summary.txt"
   # Pack the logs after every step: a call cut at the device's time limit
   # still brings back everything that ran.
