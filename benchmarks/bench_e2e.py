@@ -76,6 +76,7 @@ import argparse
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -153,6 +154,8 @@ def _speculative_config(job: dict) -> dict | None:
             config["ddtree"]["model_runner"] = "v2"
         if job["schedule"]:
             config["num_speculative_tokens_per_batch_size"] = job["schedule"]
+        if job.get("chain_from"):
+            config["ddtree"]["chain_from_batch_size"] = job["chain_from"]
     return config
 
 
@@ -365,6 +368,7 @@ def run_worker(job: dict, conn: Connection) -> None:
             "adaptive_budget": is_ddtree and not job["fixed_budget"],
             "flash_context": is_ddtree and job["flash_context"],
             "schedule": job["schedule"] if is_ddtree else None,
+            "chain_from": job.get("chain_from"),
             "async_scheduling": async_scheduling,
             "steady": job["steady"],
             "batch": batch,
@@ -430,6 +434,7 @@ def _variant_key(r: dict) -> tuple:
         r.get("adaptive_budget"),
         r.get("flash_context"),
         r.get("async_scheduling"),
+        r.get("chain_from"),
     )
     return (r["method"], r["budget"], schedule, *flags, *_key(r)[:3])
 
@@ -525,6 +530,8 @@ def table(rows: list[dict]) -> str:
             budget = f"{budget} fixed"
         if r.get("flash_context"):
             budget = f"{budget} flash-ctx"
+        if r.get("chain_from"):
+            budget = f"{budget}, chains from {r['chain_from']}"
         spec = _base_method(r["method"]) != "nospec"
         tau = r["tau"] if spec else None
         # Rows from before the draft-token counter have no nodes_per_draft.
@@ -748,9 +755,17 @@ def _jobs(args) -> list[dict]:
     jobs = []
     for method in args.methods:
         budgets = args.budgets if _base_method(method) == "ddtree" else [DFLASH_DRAFTS]
-        for budget in budgets:
+        # DDTree on V2: an engine per chain-step setting (0: trees only).
+        chains = args.chain_from if method == "ddtree" + V2_SUFFIX else [0]
+        for budget, chain_from in itertools.product(budgets, chains):
             no_drafts = _base_method(method) == "nospec"
-            jobs.append({"method": method, "budget": None if no_drafts else budget})
+            jobs.append(
+                {
+                    "method": method,
+                    "budget": None if no_drafts else budget,
+                    "chain_from": chain_from or None,
+                }
+            )
     return jobs
 
 
@@ -780,6 +795,7 @@ def _tag(job: dict, args) -> str:
             "by-batch" if args.schedule else "fixed" if args.fixed_budget else ""
         )
         parts.append("flashctx" if args.flash_context else "")
+        parts.append(f"chains{job['chain_from']}" if job.get("chain_from") else "")
     parts += ["async" if args.async_scheduling else "", "steady" if args.steady else ""]
     return "-".join(p for p in parts if p)
 
@@ -1037,6 +1053,13 @@ def main(argv: list[str] | None = None) -> None:
         type=parse_schedule,
         help="ddtree: vLLM's batch-size schedule of tree sizes, FIRST-LAST:K,... "
         "(e.g. 1-1:64,2-8:16,9-1024:4; needs --fixed-budget)",
+    )
+    ap.add_argument(
+        "--chain-from",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[0],
+        help="ddtree-v2: an engine per value of ddtree.chain_from_batch_size "
+        "(DFlash chain steps from that batch size; 0: trees only), e.g. 0,9",
     )
     ap.add_argument(
         "--steady",

@@ -374,16 +374,12 @@ engine)
   engine_test "$2" "$3" "$4" "$5"
   ;;
 pending)
-  # The thirty-fifth session's CPU-tested changes (no machine was lent to
-  # that session): the lay-out, path-first and commit kernels reading
-  # layouts staged without node maps; then engines whose tree steps skip
-  # FlashAttention's planning (uniform batches in full graphs; mixed steps
-  # with chain rows) and stage lean layouts, against V2 no-spec. The first
-  # engine of a fresh machine also pays vLLM's kernel JIT.
-  step verify-step-gpu 150 python3 -m pytest -q -rf tests/gpu/test_tree_cores_gpu.py \
-    -k "verify_step_kernels or uniform_buffers"
-  engine_test v2-greedy-graphs 240 tests/gpu/test_ddtree_v2_gpu.py "greedy_equals and False-16"
-  engine_test v2-mid-run 180 tests/gpu/test_ddtree_v2_gpu.py entering_mid_run
+  # The thirty-seventh session's CPU-tested changes: chain steps
+  # (ddtree.chain_from_batch_size) against V2 no-spec, and the tree steps
+  # beside them (the walk sampler's rows now sized as V2 sizes a chain's).
+  # The first engine of a fresh machine also pays vLLM's kernel JIT.
+  engine_test v2-chain-steps 300 tests/gpu/test_ddtree_v2_gpu.py chain_steps
+  engine_test v2-schedule 150 tests/gpu/test_ddtree_v2_gpu.py batch_size_schedule
   ;;
 hybrid)
   # One no-spec reference per mode, then a DDTree engine per budget; the
@@ -510,9 +506,11 @@ e2e-async)
 e2e-async-v2)
   # The same table, DDTree on the V2 runner (E2E_METHODS, default ddtree-v2);
   # E2E_SCHEDULE (e.g. 1-1:64,2-1024:15) sizes its trees by batch size;
+  # E2E_CHAIN_FROM (e.g. 0,9): an engine per ddtree.chain_from_batch_size;
   # E2E_END: the table's end in seconds (default 560), when it shares a call.
   e2e_pair $((${E2E_END:-560} - SECONDS)) e2e-h200-async "${E2E_METHODS:-ddtree-v2}" "${E2E_BUDGETS:-64}" --async-scheduling \
-    --fixed-budget ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"}
+    --fixed-budget ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"} \
+    ${E2E_CHAIN_FROM:+--chain-from "$E2E_CHAIN_FROM"}
   ;;
 train-e2e-async-v2)
   # A 3-minute pair, then no-spec, DFlash and DDTree on the V2 runner, all
@@ -521,7 +519,8 @@ train-e2e-async-v2)
   # E2E_END: the call's end in seconds (default 585), e.g. the device time left.
   e2e_pair $((${E2E_END:-585} - SECONDS)) e2e-h200-async "${E2E_METHODS:-nospec,dflash,ddtree-v2}" \
     "${E2E_BUDGETS:-64}" \
-    --async-scheduling --fixed-budget ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"}
+    --async-scheduling --fixed-budget ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"} \
+    ${E2E_CHAIN_FROM:+--chain-from "$E2E_CHAIN_FROM"}
   ;;
 caches)
   # Triton loads a cached kernel from its metadata and binary; the

@@ -19,6 +19,7 @@ from benchmarks.bench_e2e import (
     EngineWorker,
     _engine_settings,
     _enough,
+    _jobs,
     _speculative_config,
     _tokens_needed,
     acceptance_histogram,
@@ -362,6 +363,38 @@ def test_schedule_option_reaches_ddtree_engines_only():
     assert "num_speculative_tokens_per_batch_size" not in dflash
     with pytest.raises(argparse.ArgumentTypeError, match="FIRST-LAST:K"):
         parse_schedule("1-8")
+
+
+def test_chain_steps_are_an_engine_per_setting():
+    """``--chain-from 0,9`` gives DDTree on V2 an engine without chain steps
+    and one with them from batch size 9 (its speculative config, accepted by
+    the plugin, and its own rows in the table); other methods one engine."""
+    from vllm_ddtree.config import parse_user_options
+
+    args = SimpleNamespace(
+        methods=["dflash", "ddtree-v2"], budgets=[64], chain_from=[0, 9]
+    )
+    jobs = _jobs(args)
+    assert [(j["method"], j["chain_from"]) for j in jobs] == [
+        ("dflash", None),
+        ("ddtree-v2", None),
+        ("ddtree-v2", 9),
+    ]
+    settings = dict(
+        drafter="drafter", fixed_budget=True, flash_context=False, schedule=None
+    )
+    configs = [_speculative_config({**job, **settings}) for job in jobs]
+    assert "chain_from_batch_size" not in configs[1]["ddtree"]
+    assert configs[2]["ddtree"]["chain_from_batch_size"] == 9
+    assert parse_user_options(configs[2])["ddtree"]["chain_from_batch_size"] == 9
+    rows = [
+        _row("dflash", 100.0, DFLASH_DRAFTS, adaptive_budget=False),
+        _row("ddtree-v2", 90.0, 64, adaptive_budget=False),
+        _row("ddtree-v2", 99.0, 64, adaptive_budget=False, chain_from=9),
+    ]
+    ratios = {r.get("chain_from"): r["vs_dflash"] for r in add_ratios(rows)[1:]}
+    assert ratios == {None: pytest.approx(0.9), 9: pytest.approx(0.99)}
+    assert "64 fixed, chains from 9" in table(add_ratios(rows))
 
 
 def test_batch_schedule_from_adaptive_tree_sizes():

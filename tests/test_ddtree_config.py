@@ -12,6 +12,7 @@ from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.plugins import load_general_plugins
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
 
 from tests.utils import cpu_async_scheduling, ddtree_config, make_llm, shutdown_llm
 from vllm_ddtree.config import (
@@ -19,7 +20,11 @@ from vllm_ddtree.config import (
     check_attention_backend,
     parse_user_options,
     validate_request,
+    with_chain_steps,
 )
+
+# The options every V2-runner config needs.
+V2 = {"model_runner": "v2", "adaptive_budget": False}
 
 
 def _spec(**overrides):
@@ -44,6 +49,18 @@ def _spec(**overrides):
         ({"ddtree": {"flash_context": "on"}}, "'ddtree.flash_context'"),
         ({"ddtree": {"max_depth": 0}}, "'ddtree.max_depth'"),
         ({"ddtree": {"model_runner": "v3"}}, "'ddtree.model_runner'"),
+        (
+            {"ddtree": {"chain_from_batch_size": 0, **V2}},
+            "'ddtree.chain_from_batch_size'.*positive",
+        ),
+        (
+            {"ddtree": {"chain_from_batch_size": 8.0, **V2}},
+            "'ddtree.chain_from_batch_size'.*positive",
+        ),
+        (
+            {"ddtree": {"chain_from_batch_size": 8, "adaptive_budget": False}},
+            "'ddtree.chain_from_batch_size'.*V2 model runner",
+        ),
         (
             {"ddtree": {"model_runner": "v2"}},
             "'ddtree.model_runner'.*adaptive_budget",
@@ -78,6 +95,48 @@ def test_batch_size_schedule_with_fixed_budgets_goes_to_vllm():
         )
     )
     assert spec["num_speculative_tokens_per_batch_size"] == schedule
+
+
+@pytest.mark.parametrize(
+    ("schedule", "budget", "start", "want"),
+    [
+        # Trees of the budget below the chains.
+        (None, 64, 33, [(1, 32, 64), (33, 1 << 20, 15)]),
+        # Chains at every batch size.
+        (None, 64, 1, [(1, 1 << 20, 15)]),
+        # The schedule cut at the chains (vLLM carries 16 over 9-32).
+        (
+            [(1, 8, 64), (9, 16, 32), (17, 20, 16), (40, 64, 4)],
+            64,
+            20,
+            [(1, 8, 64), (9, 16, 32), (17, 19, 16), (20, 1 << 20, 15)],
+        ),
+        # A budget below the drafter's positions: chains of the budget.
+        ([(1, 4, 10), (5, 64, 8)], 12, 5, [(1, 4, 10), (5, 1 << 20, 12)]),
+    ],
+)
+def test_chain_steps_take_the_schedule_from_their_batch_size(
+    schedule, budget, start, want
+):
+    cfg = DDTreeConfig(budget=budget, max_depth=15, chain_from_batch_size=start)
+    assert with_chain_steps(schedule, cfg) == want
+    validate_and_normalize_dynamic_sd_schedule([list(e) for e in want])
+
+
+@pytest.mark.parametrize(
+    ("schedule", "budget", "field"),
+    [
+        (None, 15, "'num_speculative_tokens'.*budget above 15"),
+        (None, 8, "'num_speculative_tokens'.*budget above 15"),
+        ([(1, 4, 64), (5, 16, 15)], 64, "'num_speculative_tokens_per_batch_size'"),
+        # vLLM caps 64 at the budget 12, the chains' length.
+        ([(1, 4, 64), (5, 16, 8)], 12, "'num_speculative_tokens_per_batch_size'"),
+    ],
+)
+def test_trees_as_long_as_the_chains_are_refused(schedule, budget, field):
+    cfg = DDTreeConfig(budget=budget, max_depth=15, chain_from_batch_size=17)
+    with pytest.raises(ValueError, match=field):
+        with_chain_steps(schedule, cfg)
 
 
 def test_good_config_becomes_dflash():
@@ -256,3 +315,31 @@ def test_engine_keeps_serving_after_a_bad_request(fixtures):
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8))
     assert len(out[0].outputs[0].token_ids) == 8
     shutdown_llm(llm)
+
+
+def test_chain_steps_become_vllms_schedule(fixtures, monkeypatch):
+    """``ddtree.chain_from_batch_size`` turns into vLLM's batch-size schedule
+    (chains of the drafter's 15 positions from batch size 4, trees of the
+    budget below), and the DDTree settings carry it to the workers. (The V2
+    runner's engine settings need a GPU: left out here.)"""
+    from vllm_ddtree import plugin
+    from vllm_ddtree.config import get_ddtree_config
+
+    monkeypatch.setattr(plugin, "_configure_engine", lambda *args: None)
+    options = {"chain_from_batch_size": 4, **V2}
+    with cpu_async_scheduling():
+        config = _engine_config(
+            fixtures.dense_target, fixtures.dense_drafter, 32, options
+        )
+    spec = config.speculative_config
+    assert spec.num_speculative_tokens_per_batch_size == [(1, 3, 32), (4, 1 << 20, 15)]
+    cfg = get_ddtree_config(config)
+    assert cfg.chain_from_batch_size == 4 and cfg.chain_length == 15
+    with pytest.raises(ValueError, match="chain_from_batch_size needs async"):
+        _engine_config(
+            fixtures.dense_target,
+            fixtures.dense_drafter,
+            32,
+            options,
+            async_scheduling=False,
+        )

@@ -313,6 +313,52 @@ def test_builder_plans_no_stock_pass_for_batches_the_trees_cover():
         assert not flash._skips_stock_pass(second_row, None)
 
 
+def _schedule_config(schedule, chain_from_batch_size=None):
+    """An engine config of budget 8 and vLLM's batch-size ``schedule``, as
+    :func:`uniform_tree_buffers` reads it."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.config import CONFIG_KEY, DDTreeConfig
+
+    ddtree = DDTreeConfig(
+        budget=8,
+        max_depth=5,
+        adaptive_budget=False,
+        model_runner="v2",
+        chain_from_batch_size=chain_from_batch_size,
+    )
+    hf_config = SimpleNamespace(dflash_config={CONFIG_KEY: ddtree.to_dict()})
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(
+            method="dflash",
+            draft_model_config=SimpleNamespace(hf_config=hf_config),
+            num_speculative_tokens=8,
+            num_speculative_tokens_per_batch_size=schedule,
+        ),
+        model_config=SimpleNamespace(max_model_len=64),
+        scheduler_config=SimpleNamespace(max_num_seqs=4),
+        compilation_config=SimpleNamespace(max_cudagraph_capture_size=None),
+    )
+
+
+def test_chain_steps_length_gets_no_buffers():
+    """The chain steps' draft length (``ddtree.chain_from_batch_size``, here
+    chains of ``max_depth`` 5 from batch size 3) gets no buffers: its uniform
+    batches are chains, captured and replayed with FlashAttention."""
+    from vllm_ddtree.config import DDTreeConfig, with_chain_steps
+    from vllm_ddtree.v1.attention.backends.tree_attn import uniform_tree_buffers
+
+    cfg = DDTreeConfig(budget=8, max_depth=5, chain_from_batch_size=3)
+    schedule = with_chain_steps([(1, 1, 8), (2, 16, N - 1)], cfg)
+    assert schedule[-1][2] == 5
+    chained = uniform_tree_buffers(_schedule_config(schedule, 3), torch.device("cpu"))
+    assert sorted(chained) == [N, 9]
+    # The same schedule without chain steps: six-node chains at batch 3 on
+    # would be trees, with buffers.
+    trees = uniform_tree_buffers(_schedule_config(schedule), torch.device("cpu"))
+    assert sorted(trees) == [6, N, 9]
+
+
 def test_schedule_without_speculation_keeps_decode_batches_stock():
     """``K = 0`` in the batch-size schedule turns speculation off at those
     sizes: their one-token decode batches must not match buffers of one
@@ -324,15 +370,7 @@ def test_schedule_without_speculation_keeps_decode_batches_stock():
         uniform_tree_buffers,
     )
 
-    config = SimpleNamespace(
-        speculative_config=SimpleNamespace(
-            num_speculative_tokens=8,
-            num_speculative_tokens_per_batch_size=[(1, 1, 8), (2, 16, 0)],
-        ),
-        model_config=SimpleNamespace(max_model_len=64),
-        scheduler_config=SimpleNamespace(max_num_seqs=4),
-        compilation_config=SimpleNamespace(max_cudagraph_capture_size=None),
-    )
+    config = _schedule_config([(1, 1, 8), (2, 16, 0)])
     builder = TreeMetadataBuilderMixin()
     builder.uniform_trees = uniform_tree_buffers(config, torch.device("cpu"))
     assert sorted(builder.uniform_trees) == [9]
@@ -360,15 +398,7 @@ def test_schedule_widths_get_buffers_of_their_own():
         uniform_tree_buffers,
     )
 
-    config = SimpleNamespace(
-        speculative_config=SimpleNamespace(
-            num_speculative_tokens=8,
-            num_speculative_tokens_per_batch_size=[(1, 1, 8), (2, 16, N - 1)],
-        ),
-        model_config=SimpleNamespace(max_model_len=64),
-        scheduler_config=SimpleNamespace(max_num_seqs=4),
-        compilation_config=SimpleNamespace(max_cudagraph_capture_size=None),
-    )
+    config = _schedule_config([(1, 1, 8), (2, 16, N - 1)])
     builder = TreeMetadataBuilderMixin()
     builder.uniform_trees = uniform_tree_buffers(config, torch.device("cpu"))
     assert sorted(builder.uniform_trees) == [N, 9]

@@ -276,3 +276,63 @@ def test_target_step_skips_drafter_only_attention_groups():
     runner.model_state.prepare_attn(None, None, None, None, runner.attn_groups, None)
     runner.model_state.prepare_attn(None, None, None, None, speculator_groups, None)
     assert seen == [[[tree], [mixed]], speculator_groups]
+
+
+@pytest.mark.parametrize(
+    ("drafts", "chain_steps"),
+    [
+        ([4, 0, 4], True),  # chains and a prompt
+        ([4, 0, 2], False),  # a chain cut short by the token budget
+        ([3, 3, 3], False),  # trees
+    ],
+)
+def test_chain_steps_run_no_tree_plan(monkeypatch, drafts, chain_steps):
+    """With chain steps (chains of 4 = the budget here), a step whose every
+    draft is a chain's length is left to V2: no trees laid out or published
+    to the attention and the sampler, linear positions. Any other verify
+    step plans its trees (the chains among them as the trees the speculator
+    keeps for them); without chain steps every verify step does."""
+    monkeypatch.setattr(
+        "vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_attn",
+        lambda self, batch: ("block tables", "slot mappings"),
+    )
+    for chain_from in (None, 2):
+        runner, case = _runner()
+        runner.ddtree = DDTreeConfig(
+            budget=4,
+            max_depth=15,
+            adaptive_budget=False,
+            model_runner="v2",
+            chain_from_batch_size=chain_from,
+        )
+        case.batch.num_draft_tokens_per_req = np.array(drafts, dtype=np.int32)
+        planned: list = []
+
+        def plan(batch, planned=planned):
+            planned.append(batch)
+            return "plan"
+
+        runner._plan_verify = plan
+        runner._plan = "last step's"
+        assert runner.prepare_attn(case.batch) == ("block tables", "slot mappings")
+        left_to_v2 = chain_from is not None and chain_steps
+        assert runner._plan == (None if left_to_v2 else "plan")
+        assert planned == ([] if left_to_v2 else [case.batch])
+
+
+def test_chain_steps_need_vllms_schedule():
+    from vllm_ddtree.v1.worker.gpu.model_runner import check_chain_steps
+
+    def config(async_scheduling, schedule):
+        return SimpleNamespace(
+            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+            speculative_config=SimpleNamespace(
+                num_speculative_tokens_per_batch_size=schedule
+            ),
+        )
+
+    check_chain_steps(config(True, [(1, 1 << 20, 15)]))
+    with pytest.raises(ValueError, match="chain_from_batch_size needs async"):
+        check_chain_steps(config(False, [(1, 1 << 20, 15)]))
+    with pytest.raises(ValueError, match="data parallelism"):
+        check_chain_steps(config(True, None))

@@ -32,9 +32,15 @@ from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.speculator import DDTreeSpecul
 BUDGET, DEPTH, VOCAB, MAX_REQS = 6, 3, 11, 4
 
 
-def _speculator() -> DDTreeSpeculator:
+def _speculator(chain_from_batch_size: int | None = None) -> DDTreeSpeculator:
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
-    spec.ddtree = DDTreeConfig(budget=BUDGET, max_depth=DEPTH, adaptive_budget=False)
+    spec.ddtree = DDTreeConfig(
+        budget=BUDGET,
+        max_depth=DEPTH,
+        adaptive_budget=False,
+        model_runner="v2",
+        chain_from_batch_size=chain_from_batch_size,
+    )
     spec.num_speculative_steps = DEPTH
     spec._init_tree_buffers(MAX_REQS, BUDGET, torch.device("cpu"))
     spec._accepted_order = None
@@ -50,8 +56,9 @@ def _speculator() -> DDTreeSpeculator:
     return spec
 
 
-def test_generate_draft_builds_best_first_trees():
-    spec = _speculator()
+@pytest.mark.parametrize("chain_from_batch_size", [None, 2])
+def test_generate_draft_builds_best_first_trees(chain_from_batch_size):
+    spec = _speculator(chain_from_batch_size)
     num_reqs = 3
     logits = torch.randn(
         MAX_REQS * DEPTH, VOCAB, generator=torch.Generator().manual_seed(0)
@@ -72,6 +79,42 @@ def test_generate_draft_builds_best_first_trees():
         )
     # Rows past the batch keep what they had.
     assert not spec.trees.tokens[num_reqs:].any()
+    if chain_from_batch_size is None:
+        assert not hasattr(spec, "chain_drafts")
+        return
+    # With chain steps, DFlash's chains too: the top token of each position
+    # (the budget is wider than the chains, whose columns past them stay 0).
+    top = logits[: num_reqs * DEPTH].argmax(dim=-1).view(num_reqs, DEPTH)
+    assert torch.equal(spec.chain_drafts[:num_reqs, :DEPTH], top)
+    assert not spec.chain_drafts[:, DEPTH:].any()
+    assert not spec.chain_drafts[num_reqs:].any()
+
+
+def test_chain_batches_propose_chains(monkeypatch):
+    """From ``chain_from_batch_size`` requests on, ``propose`` returns the
+    chains and keeps each as its request's tree (a node per position, each
+    the child of the one before; the budget's other columns children of the
+    root); smaller batches return and keep trees."""
+    spec = _speculator(chain_from_batch_size=2)
+    monkeypatch.setattr(DFlashSpeculator, "propose", lambda *args, **kwargs: None)
+    spec.chain_drafts[:] = torch.arange(MAX_REQS * BUDGET).view(MAX_REQS, BUDGET)
+    spec.trees.tokens[:] = -spec.chain_drafts
+    spec.tree_shapes[:] = 7
+    hidden = torch.zeros(8, 2)
+
+    def propose(slots: list[int]) -> torch.Tensor:
+        batch = SimpleNamespace(
+            num_reqs=len(slots), idx_mapping=torch.tensor(slots, dtype=torch.int32)
+        )
+        return spec.propose(batch, None, None, hidden, None)
+
+    assert torch.equal(propose([3, 1]), spec.chain_drafts[:2])
+    parents, depths = spec.req_tree_shapes
+    chain = [0, 1, 2] + [0] * (BUDGET - DEPTH), [1, 2, 3] + [1] * (BUDGET - DEPTH)
+    for slot in (3, 1):
+        assert (parents[slot].tolist(), depths[slot].tolist()) == chain
+    assert torch.equal(propose([0]), spec.trees.tokens[:1])
+    assert parents[0].tolist() == [7] * BUDGET and depths[0].tolist() == [7] * BUDGET
 
 
 @pytest.mark.parametrize("with_aux", [True, False])

@@ -201,3 +201,31 @@ def test_tree_walk_sampler_matches_the_torch_walk(interp_results, name):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker()
+
+
+@pytest.mark.parametrize(("budget", "rows"), [(64, 16), (4, 5)])
+def test_chain_steps_go_to_v2s_rejection_sampler(monkeypatch, budget, rows):
+    """A step the runner published no trees for (a chain step) is V2's own
+    rejection sampling, its rows as wide as a tree walk's: a chain or a
+    path accepts at most ``min(B, max_depth)`` drafts, then the bonus."""
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+
+    from vllm_ddtree.v1.worker.gpu.spec_decode.ddtree.rejection_sampler import (
+        TreeWalkSampler,
+    )
+
+    calls = []
+
+    def v2_rejection_sampling(self, logits, input_batch, draft_logits=None):
+        calls.append((self.num_speculative_steps, logits, input_batch, draft_logits))
+        return "V2's output"
+
+    monkeypatch.setattr(RejectionSampler, "__call__", v2_rejection_sampling)
+    spec = SimpleNamespace(
+        num_speculative_tokens=budget, rejection_sample_method="standard"
+    )
+    sampler = TreeWalkSampler(None, spec, torch.device("cpu"), max_depth=15)
+    assert sampler.num_columns == rows
+    assert sampler(logits="logits", input_batch="batch") == "V2's output"
+    assert calls == [(rows - 1, "logits", "batch", None)]
+    assert sampler.last_walk is None

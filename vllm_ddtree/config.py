@@ -54,6 +54,12 @@ class DDTreeConfig:
             runner; ``"v2"`` on the V2 runner (vLLM's default for dense
             models on GPUs), experimental: CUDA, dense 1-D RoPE targets and
             fixed budgets only (``docs/v2_port.md``).
+        chain_from_batch_size: V2 runner only: at batch sizes of at least
+            this, verify DFlash's own chain (the drafter's top token at each
+            of ``chain_length`` positions) with vLLM's FlashAttention and
+            rejection sampler instead of a tree: where a tree's extra tokens
+            a step are worth less than its extra host work, the step costs
+            what stock DFlash's does. ``None``: trees at every batch size.
     """
 
     budget: int
@@ -62,13 +68,23 @@ class DDTreeConfig:
     adaptive_budget: bool = True
     flash_context: bool = False
     model_runner: str = "v1"
+    chain_from_batch_size: int | None = None
+
+    @property
+    def chain_length(self) -> int | None:
+        """The draft length of a chain step (``None`` without chain steps):
+        the drafter's positions, at most the budget (vLLM caps every
+        scheduled draft length at ``num_speculative_tokens``)."""
+        if self.chain_from_batch_size is None:
+            return None
+        return min(self.budget, self.max_depth)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 _BOOL_KEYS = ("force_spine", "adaptive_budget", "flash_context")
-_USER_KEYS = {*_BOOL_KEYS, "max_depth", "model_runner"}
+_USER_KEYS = {*_BOOL_KEYS, "max_depth", "model_runner", "chain_from_batch_size"}
 MODEL_RUNNERS = ("v1", "v2")
 # Chain-speculation options that DDTree replaces: the value a user may leave
 # (vLLM's default) and why any other value cannot be honoured.
@@ -161,14 +177,23 @@ def parse_user_options(spec: dict[str, Any]) -> dict[str, Any]:
             "host, which chooses adaptive budgets each step)",
             'Add "adaptive_budget": false',
         )
-    if "max_depth" in options:
-        depth = options["max_depth"]
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+    for key, fix in (
+        ("max_depth", "Leave it out to use the drafter's block_size - 1"),
+        ("chain_from_batch_size", "Leave it out to verify trees at every batch size"),
+    ):
+        value = options.get(key)
+        if key in options and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
             raise _fail(
-                "ddtree.max_depth",
-                f"must be a positive integer, got {depth!r}",
-                "Leave it out to use the drafter's block_size - 1",
+                f"ddtree.{key}", f"must be a positive integer, got {value!r}", fix
             )
+    if "chain_from_batch_size" in options and runner != "v2":
+        raise _fail(
+            "ddtree.chain_from_batch_size",
+            "needs the V2 model runner (chain steps are a V2 runner feature)",
+            'Add "model_runner": "v2", or leave chain_from_batch_size out',
+        )
     spec["method"] = "dflash"
     spec[CONFIG_KEY] = options
     return spec
@@ -220,9 +245,56 @@ def finalize(speculative_config: Any, options: dict[str, Any]) -> DDTreeConfig:
         adaptive_budget=options.get("adaptive_budget", True),
         flash_context=options.get("flash_context", False),
         model_runner=options.get("model_runner", "v1"),
+        chain_from_batch_size=options.get("chain_from_batch_size"),
     )
+    if cfg.chain_length is not None:
+        speculative_config.num_speculative_tokens_per_batch_size = with_chain_steps(
+            speculative_config.num_speculative_tokens_per_batch_size, cfg
+        )
     dflash_config[CONFIG_KEY] = cfg.to_dict()
     return cfg
+
+
+# The last batch size of the chain steps' schedule entry: any bound past
+# ``max_num_seqs`` (vLLM's lookup stops there).
+_ANY_BATCH_SIZE = 1 << 20
+
+
+def with_chain_steps(
+    schedule: list[tuple[int, int, int]] | None, cfg: DDTreeConfig
+) -> list[tuple[int, int, int]]:
+    """vLLM's batch-size schedule of draft lengths (``None``: the budget at
+    every batch size) with ``cfg.chain_length`` from
+    ``cfg.chain_from_batch_size`` on: the scheduler then asks every request
+    of such a batch for a chain's draft. Below it the schedule keeps its
+    tree sizes, none of which may be the chain length: V2 captures one full
+    CUDA graph per query length, and a chain's runs FlashAttention."""
+    start, chain = cfg.chain_from_batch_size, cfg.chain_length
+    assert start is not None and chain is not None
+    trees = schedule or [(1, _ANY_BATCH_SIZE, cfg.budget)]
+    below = [(lo, min(hi, start - 1), k) for lo, hi, k in trees if lo < start]
+    for lo, hi, k in below:
+        # (vLLM caps every length at the budget.)
+        if min(k, cfg.budget) != chain:
+            continue
+        if schedule is None:
+            raise _fail(
+                "num_speculative_tokens",
+                f"= {k} is the chain length min(budget, ddtree.max_depth), so "
+                f"trees below batch size {start} (ddtree.chain_from_batch_size) "
+                "would be as long as the chains above it; vLLM's V2 runner "
+                "captures one CUDA graph per draft length",
+                f"Use a budget above {cfg.max_depth}",
+            )
+        raise _fail(
+            _SCHEDULE_KEY,
+            f"gives trees of {k} nodes at batch sizes {lo}-{hi}, the length of "
+            f"the chains verified from batch size {start} "
+            "(ddtree.chain_from_batch_size); vLLM's V2 runner captures one CUDA "
+            "graph per draft length",
+            f"Use another tree size than {k} there",
+        )
+    return [*below, (start, max(start, _ANY_BATCH_SIZE), chain)]
 
 
 def _check_pair(speculative_config: Any, dflash_config: dict[str, Any]) -> None:

@@ -295,8 +295,18 @@ def _configure_scheduling(engine_args, options: dict[str, Any]) -> None:
     budget (the scheduler's draft placeholders), so budgets chosen per step
     need synchronous scheduling (per-request ones are refused per request,
     see ``config.validate_request``). An explicit ``async_scheduling=True``
-    with adaptive budgets is an error.
+    with adaptive budgets is an error, and so is an explicit
+    ``async_scheduling=False`` with chain steps: the V2 scheduler applies
+    its batch-size schedule of draft lengths (which asks for the chains) to
+    its async placeholders only.
     """
+    if "chain_from_batch_size" in options and engine_args.async_scheduling is False:
+        raise ValueError(
+            "ddtree.chain_from_batch_size needs async scheduling (vLLM's V2 "
+            "scheduler applies the batch-size schedule that asks for chains "
+            "only when it schedules ahead): remove --no-async-scheduling, or "
+            "leave chain_from_batch_size out."
+        )
     if not options.get("adaptive_budget", True):
         return
     if engine_args.async_scheduling:

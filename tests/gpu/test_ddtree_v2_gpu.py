@@ -2,9 +2,9 @@
 """DDTree on vLLM's V2 model runner (``ddtree.model_runner: "v2"``): greedy
 output equals V2 no-spec output, eager and with CUDA graphs, at batch 12 and
 1, with fixed budgets and with vLLM's batch-size schedule, and with
-requests entering mid-run (mixed batches); a seeded T > 0 run equals seeded
-V2 no-spec token for token; DDTree's step parts never make the host wait for
-the GPU.
+requests entering mid-run (mixed batches), and with chain steps at large
+batches; a seeded T > 0 run equals seeded V2 no-spec token for token;
+DDTree's step parts never make the host wait for the GPU.
 
 Run on the device machine: ``python -m pytest tests/gpu -q``.
 """
@@ -262,3 +262,53 @@ def test_v2_step_parts_never_wait_for_the_gpu(fixtures, expected, monkeypatch):
     finally:
         shutdown_llm(llm)
     assert checked == {name for _, name in parts}
+
+
+def test_v2_chain_steps(fixtures, expected, monkeypatch):
+    """Chain steps (``ddtree.chain_from_batch_size`` 4, trees of 32 nodes
+    below): the 12-prompt batch verifies DFlash chains of 15 with
+    FlashAttention (full CUDA graphs captured for them, no tree buffers)
+    and V2's rejection sampler, a lone request verifies trees, and with
+    requests entering as others finish (4 in flight, 3 in the steps async
+    scheduling plans before the next prompt arrives) the steps cross
+    between the two. Greedy outputs stay V2 no-spec's and no DDTree kernel
+    compiles while serving."""
+    from benchmarks.bench_e2e import run_steady
+    from vllm_ddtree.v1.worker.gpu.model_runner import DDTreeV2ModelRunner
+
+    seen = record_uniform_fills(monkeypatch)
+    decide = DDTreeV2ModelRunner._verifies_chains
+    chain_steps: list[bool] = []
+
+    def recorded(self, input_batch):
+        chain_steps.append(decide(self, input_batch))
+        return chain_steps[-1]
+
+    monkeypatch.setattr(DDTreeV2ModelRunner, "_verifies_chains", recorded)
+    spec = ddtree_config(
+        fixtures.dense_drafter, 32, model_runner="v2", chain_from_batch_size=4
+    )
+    llm = _engine(fixtures.dense_target, False, spec)
+    try:
+        with ddtree_kernels_compiled() as compiled:
+            batched = _generate(llm, GREEDY)
+            batch_steps, chain_steps[:] = list(chain_steps), []
+            alone = _generate(llm, GREEDY, PROMPTS[:1])
+            alone_steps, chain_steps[:] = list(chain_steps), []
+            steady = run_steady(
+                llm,
+                lambda k: ({"prompt_token_ids": PROMPTS[k]}, GREEDY),
+                batch=4,
+                enough=lambda submitted: submitted >= len(PROMPTS),
+            )
+    finally:
+        shutdown_llm(llm)
+    assert not compiled, compiled
+    assert batched == expected["greedy"]
+    assert alone == expected["greedy"][:1]
+    assert steady == expected["greedy"]
+    assert batch_steps.count(True) > 10, batch_steps
+    assert alone_steps and not any(alone_steps), alone_steps
+    assert True in chain_steps and False in chain_steps, chain_steps
+    # The chains' uniform batches never went through tree buffers.
+    assert 16 not in seen["by_size"], seen

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from vllm.v1.attention.backend import AttentionType
 
+from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.v1.spec_decode.tree import ancestor_mask
 
 
@@ -304,7 +305,9 @@ def uniform_tree_buffers(
     ``1 + K``. A captured length without buffers would replay the chain
     attention its capture saw over the step's trees. ``K = 0`` (no
     speculation at those batch sizes) gets none: its one-token decode
-    batches have no tree and keep the stock kernel.
+    batches have no tree and keep the stock kernel; nor does the length of
+    the chain steps (``ddtree.chain_from_batch_size``), whose uniform
+    batches are never trees and run FlashAttention.
 
     Every caller with the same settings gets the same buffers: the metadata
     builders of all tree-attention groups (each fill writes the same
@@ -312,6 +315,9 @@ def uniform_tree_buffers(
     spec = vllm_config.speculative_config
     schedule = spec.num_speculative_tokens_per_batch_size or ()
     widths = {1 + spec.num_speculative_tokens} | {1 + k for *_, k in schedule if k}
+    cfg = get_ddtree_config(vllm_config)
+    if cfg is not None and cfg.chain_length is not None:
+        widths.discard(1 + cfg.chain_length)
     # A padded graph batch has at most one request per token.
     max_num_reqs = max(
         vllm_config.scheduler_config.max_num_seqs,

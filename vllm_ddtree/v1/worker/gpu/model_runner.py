@@ -28,6 +28,12 @@ parts are in ``v1/worker/verify_plan.py``):
    hidden states first.
 6. V2 advances each request by its path and runs the speculator, which
    drafts ``max_depth`` positions and builds the next trees.
+
+With ``ddtree.chain_from_batch_size`` a step whose drafts are all chains
+(batches of that size propose them, see the speculator) is V2's own DFlash
+step instead: linear positions, FlashAttention (the tree backend's stock
+pass, no tree published) and V2's rejection sampler, without the tree
+plan, walk and commit.
 """
 
 from __future__ import annotations
@@ -81,6 +87,8 @@ class DDTreeV2ModelRunner(GPUModelRunner):
             super().__init__(vllm_config, device)
         cfg = get_ddtree_config(vllm_config)
         assert cfg is not None, "the DDTree runner needs method 'ddtree'"
+        if cfg.chain_length is not None:
+            check_chain_steps(vllm_config)
         self.ddtree = cfg
         # Short prompts beside the trees are chain rows of the tree pass
         # (FlashAttention then sits out that step), up to the largest tree
@@ -148,9 +156,25 @@ class DDTreeV2ModelRunner(GPUModelRunner):
     def prepare_attn(self, input_batch: InputBatch):
         block_tables, slot_mappings = super().prepare_attn(input_batch)
         self._plan = None
-        if input_batch.num_draft_tokens > 0:
+        if input_batch.num_draft_tokens > 0 and not self._verifies_chains(input_batch):
             self._plan = self._plan_verify(input_batch)
         return block_tables, slot_mappings
+
+    def _verifies_chains(self, input_batch: InputBatch) -> bool:
+        """Whether the step is a chain step: every draft is a chain's length.
+
+        Chain batches propose chains of that length and tree batches never
+        trees of it (``config.with_chain_steps``). A request can still be
+        cut to it by the token budget, and its nodes then pass as a chain:
+        any draft verified in order keeps the target's output (the stock
+        rejection sampler's), only acceptance suffers. The other way round
+        (a chain cut shorter, beside trees) the tree step verifies the
+        chain as the tree the speculator keeps for it."""
+        chain = self.ddtree.chain_length
+        if chain is None:
+            return False
+        drafts = input_batch.num_draft_tokens_per_req
+        return bool(np.all((drafts == 0) | (drafts == chain)))
 
     def _plan_verify(self, input_batch: InputBatch) -> VerifyPlan:
         """Lay out this step's trees (each request's from its last proposal,
@@ -277,6 +301,25 @@ class DDTreeV2ModelRunner(GPUModelRunner):
     # of full trees.
     uncaptured_full_batch_hint = DDTreeModelRunnerMixin.uncaptured_full_batch_hint
     token_budget_hint = DDTreeModelRunnerMixin.token_budget_hint
+
+
+def check_chain_steps(vllm_config) -> None:
+    """Chain steps need vLLM's batch-size schedule (which asks chain batches
+    for chains) to reach the scheduler's drafts: under async scheduling
+    only, and vLLM drops the schedule under data parallelism."""
+    if not vllm_config.scheduler_config.async_scheduling:
+        raise ValueError(
+            "ddtree.chain_from_batch_size needs async scheduling (vLLM's V2 "
+            "scheduler applies its batch-size schedule of draft lengths only "
+            "when it schedules ahead): enable it, or leave "
+            "chain_from_batch_size out."
+        )
+    if vllm_config.speculative_config.num_speculative_tokens_per_batch_size is None:
+        raise ValueError(
+            "ddtree.chain_from_batch_size needs vLLM's batch-size schedule of "
+            "draft lengths, which vLLM turns off under data parallelism: "
+            "leave chain_from_batch_size out there."
+        )
 
 
 def target_attn_groups(

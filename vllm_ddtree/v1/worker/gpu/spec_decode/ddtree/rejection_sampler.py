@@ -71,11 +71,14 @@ class TreeWalkSampler(RejectionSampler):
         self, sampler, spec_config, device: torch.device, max_depth: int
     ) -> None:
         super().__init__(sampler, spec_config, device)
-        # A path accepts at most min(B, max_depth) nodes, then the bonus: V2
-        # reads rows through their stride and ``num_sampled``, so the rows
-        # need no column per node of the budget (a row of 1 + B columns
-        # costs the step's device-to-host copy and V2's host-side lists).
-        self.num_columns = min(self.num_speculative_steps, max_depth) + 1
+        # A path (or a chain, see __call__) accepts at most min(B, max_depth)
+        # nodes, then the bonus: V2 reads rows through their stride and
+        # ``num_sampled``, so the rows need no column per node of the budget
+        # (a row of 1 + B columns costs the step's device-to-host copy and
+        # V2's host-side lists). V2's rejection sampling sizes its rows by
+        # ``num_speculative_steps``.
+        self.num_speculative_steps = min(self.num_speculative_steps, max_depth)
+        self.num_columns = self.num_speculative_steps + 1
         self.step: TreeWalkInput | None = None
         self.last_walk: WalkedTrees | None = None
 
@@ -86,7 +89,11 @@ class TreeWalkSampler(RejectionSampler):
         draft_logits: torch.Tensor | None = None,
     ) -> SamplerOutput:
         step, self.step = self.step, None
-        assert step is not None, "a verify batch without published trees"
+        if step is None:
+            # A chain step (``ddtree.chain_from_batch_size``): the runner
+            # published no trees and V2's rejection sampling checks the
+            # chains.
+            return super().__call__(logits, input_batch, draft_logits)
         num_nans = get_num_nans(logits) if self.sampler.compute_nans else None
         # The token of every logit row: the root's or a node's.
         row_tokens = input_batch.input_ids[input_batch.logits_indices]

@@ -19,6 +19,14 @@ precompute and CUDA graphs stay vLLM's). Three things change:
   request's token range: the runner hands over a permutation of the target
   tokens (:meth:`set_accepted_order`) that puts it there, so DFlash's
   ``num_rejected`` arithmetic reads the accepted path as a chain.
+
+With chain steps (``ddtree.chain_from_batch_size``) the graph also keeps
+DFlash's own chain, the top token of every drafted position, and a batch of
+at least that many requests proposes chains: the scheduler asks each of its
+requests for a chain's draft length (see ``config.with_chain_steps``), the
+same batch size deciding both. A request's chain is also kept as its tree
+(each node the child of the one before), for a step that verifies it beside
+trees.
 """
 
 from __future__ import annotations
@@ -78,6 +86,17 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Each request's current tree's (parents, depths), by request-state
         # slot: what the next verify step of that request checks.
         self._req_tree_shapes = torch.zeros_like(self.tree_shapes)
+        # With chain steps: the last proposal's chains, by batch row (written
+        # inside the graph; ``budget`` columns like the trees' tokens, as V2
+        # stores a request's draft), and a chain's (parents, depths) as a
+        # tree, its columns past the chain a valid filler of root children.
+        chain = self.ddtree.chain_length
+        if chain is not None:
+            self.chain_drafts = torch.zeros_like(self.trees.tokens)
+            self._chain_shapes = torch.ones(2, budget, dtype=torch.int64, device=device)
+            self._chain_shapes[0] = 0
+            self._chain_shapes[0, :chain] = torch.arange(chain)
+            self._chain_shapes[1, :chain] = torch.arange(1, chain + 1)
 
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
         # Under ``num_speculative_tokens_per_batch_size`` vLLM's graph manager
@@ -191,6 +210,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         trees = build_draft_trees(values, tokens, self.ddtree)
         for name in _TREE_FIELDS:
             getattr(self.trees, name)[:num_reqs] = getattr(trees, name)
+        chain = self.ddtree.chain_length
+        if chain is not None:
+            # The top tokens (the first of each position's top-B) are DFlash's
+            # greedy draft.
+            top = tokens[:, 0].view(num_reqs, self.num_speculative_steps)
+            self.chain_drafts[:num_reqs, :chain] = top[:, :chain]
 
     @torch.inference_mode()
     def propose(
@@ -232,8 +257,17 @@ class DDTreeSpeculator(DFlashSpeculator):
             **kwargs,
         )
         num_reqs = input_batch.num_reqs
+        if self.proposes_chains(num_reqs):
+            self._req_tree_shapes[input_batch.idx_mapping] = self._chain_shapes
+            return self.chain_drafts[:num_reqs]
         self._req_tree_shapes[input_batch.idx_mapping] = self.tree_shapes[:num_reqs]
         return self.trees.tokens[:num_reqs]
+
+    def proposes_chains(self, num_reqs: int) -> bool:
+        """Whether a batch of ``num_reqs`` requests proposes chains (the
+        scheduler asks such a batch for ``chain_length`` draft tokens)."""
+        start = self.ddtree.chain_from_batch_size
+        return start is not None and num_reqs >= start
 
 
 _TREE_FIELDS = ("tokens", "parents", "depths", "scores")
