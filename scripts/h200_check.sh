@@ -378,7 +378,8 @@ pending)
   # (ddtree.chain_from_batch_size) against V2 no-spec, and the tree steps
   # beside them (the walk sampler's rows now sized as V2 sizes a chain's).
   # The first engine of a fresh machine also pays vLLM's kernel JIT.
-  engine_test v2-chain-steps 300 tests/gpu/test_ddtree_v2_gpu.py chain_steps
+  engine_test v2-chain-steps 300 tests/gpu/test_ddtree_v2_gpu.py "chain_steps and not dflash"
+  engine_test v2-chain-dflash 150 tests/gpu/test_ddtree_v2_gpu.py chain_steps_are_dflash
   engine_test v2-schedule 150 tests/gpu/test_ddtree_v2_gpu.py batch_size_schedule
   ;;
 hybrid)

@@ -312,3 +312,29 @@ def test_v2_chain_steps(fixtures, expected, monkeypatch):
     assert True in chain_steps and False in chain_steps, chain_steps
     # The chains' uniform batches never went through tree buffers.
     assert 16 not in seen["by_size"], seen
+
+
+def test_v2_chain_steps_are_dflash_steps(fixtures):
+    """With chain steps at every batch size, DDTree's steps are stock
+    DFlash's: the same drafts (each position's top token), verified by V2's
+    rejection sampler with the same keys, so seeded T > 0 outputs equal
+    stock DFlash's (V2, 15 drafts) token for token. (Stock DFlash on V2 is
+    the oracle here: its sampling is lossless rejection sampling, not
+    seeded-equal to no-spec.)"""
+    outputs = []
+    for spec in (
+        ddtree_config(
+            fixtures.dense_drafter, 32, model_runner="v2", chain_from_batch_size=1
+        ),
+        {
+            "method": "dflash",
+            "model": str(fixtures.dense_drafter),
+            "num_speculative_tokens": 15,
+        },
+    ):
+        llm = _engine(fixtures.dense_target, False, spec)
+        try:
+            outputs.append(_generate(llm, SEEDED))
+        finally:
+            shutdown_llm(llm)
+    assert outputs[0] == outputs[1]
