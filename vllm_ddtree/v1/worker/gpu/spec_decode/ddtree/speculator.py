@@ -257,13 +257,13 @@ class DDTreeSpeculator(DFlashSpeculator):
             **kwargs,
         )
         num_reqs = input_batch.num_reqs
-        if self.proposes_chains(num_reqs):
+        if self._proposes_chains(num_reqs):
             self._req_tree_shapes[input_batch.idx_mapping] = self._chain_shapes
             return self.chain_drafts[:num_reqs]
         self._req_tree_shapes[input_batch.idx_mapping] = self.tree_shapes[:num_reqs]
         return self.trees.tokens[:num_reqs]
 
-    def proposes_chains(self, num_reqs: int) -> bool:
+    def _proposes_chains(self, num_reqs: int) -> bool:
         """Whether a batch of ``num_reqs`` requests proposes chains (the
         scheduler asks such a batch for ``chain_length`` draft tokens)."""
         start = self.ddtree.chain_from_batch_size
