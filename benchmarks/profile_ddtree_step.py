@@ -409,7 +409,8 @@ def step_times(
 def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
     """The engine's ``speculative_config`` for ``--method``: DDTree with a
     fixed budget ``--budget`` (sized by batch size under ``--schedule``, as
-    ``bench_e2e.py``'s rows are), or stock DFlash's 15-token chains."""
+    ``bench_e2e.py``'s rows are; chain steps from ``--chain-from``), or
+    stock DFlash's 15-token chains."""
     if args.method == "ddtree":
         spec = {
             "method": "ddtree",
@@ -419,6 +420,8 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
         }
         if args.schedule:
             spec["num_speculative_tokens_per_batch_size"] = args.schedule
+        if args.chain_from:
+            spec["ddtree"]["chain_from_batch_size"] = args.chain_from
         return spec
     if args.method == "dflash":
         return {"method": "dflash", "model": args.drafter, "num_speculative_tokens": 15}
@@ -452,6 +455,12 @@ def main() -> None:
         type=parse_schedule,
         help="DDTree's trees by batch size, FIRST-LAST:K,... (vLLM's "
         "num_speculative_tokens_per_batch_size; K <= --budget)",
+    )
+    ap.add_argument(
+        "--chain-from",
+        type=int,
+        help="DDTree on V2: DFlash chain steps from this batch size "
+        "(ddtree.chain_from_batch_size)",
     )
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument(

@@ -199,6 +199,7 @@ profile_pair() {  # the pair's DDTree (V2 runner) and DFlash steps, async, profi
       ${PROFILE_STEADY:+--steady-requests "$PROFILE_STEADY"} \
       ${PROFILE_CAPTURE:+--max-cudagraph-capture-size "$PROFILE_CAPTURE"} \
       ${PROFILE_SCHEDULE:+--schedule "$PROFILE_SCHEDULE"} \
+      ${PROFILE_CHAIN_FROM:+--chain-from "$PROFILE_CHAIN_FROM"} \
       --out "/tmp/prof-pair/$method$tag"
   done
   tar czf "$out/profile-pair.tgz" -C /tmp prof-pair
@@ -451,7 +452,7 @@ e2e-8b | e2e-8b-flash | e2e-8b-v1 | e2e-8b-async | e2e-8b-async-flash | e2e-8b-a
     step e2e-8b-v1 "${E2E_LIMIT:-420}" "${e2e_8b[@]}" --methods nospec-v1,dflash-v1 ;;
   e2e-8b-async-v2)
     step "$mode" "${E2E_LIMIT:-590}" "${e2e_8b[@]}" --methods ${E2E_METHODS:-nospec,dflash,ddtree-v2} \
-      ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"} ;;
+      ${E2E_SCHEDULE:+--schedule "$E2E_SCHEDULE"} ${E2E_CHAIN_FROM:+--chain-from "$E2E_CHAIN_FROM"} ;;
   esac
   e2e_report "$table"
   ;;

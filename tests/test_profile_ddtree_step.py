@@ -160,17 +160,26 @@ def test_phases_are_split_between_mixed_and_decode_steps(monkeypatch):
 
 def test_schedule_sizes_ddtree_trees_only():
     """``--schedule`` reaches a DDTree engine as vLLM's batch-size schedule
-    (the e2e benchmark's rows' trees); DFlash's chains and no-spec ignore
-    it."""
+    (the e2e benchmark's rows' trees), ``--chain-from`` as its chain steps;
+    DFlash's chains and no-spec ignore both."""
     from benchmarks.bench_e2e import parse_schedule
 
     schedule = parse_schedule("1-8:64,9-32:32,33-1024:16")
 
-    def config(method: str, schedule=schedule):
+    def config(method: str, schedule=schedule, chain_from=None):
         args = SimpleNamespace(
-            method=method, drafter="d", budget=64, runner="v2", schedule=schedule
+            method=method,
+            drafter="d",
+            budget=64,
+            runner="v2",
+            schedule=schedule,
+            chain_from=chain_from,
         )
         return speculative_config(args)
+
+    chains = config("ddtree", chain_from=9)["ddtree"]
+    assert chains["chain_from_batch_size"] == 9
+    assert "chain_from_batch_size" not in config("dflash", chain_from=9)
 
     spec = config("ddtree")
     assert spec["num_speculative_tokens"] == 64
