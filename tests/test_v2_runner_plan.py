@@ -323,16 +323,22 @@ def test_chain_steps_run_no_tree_plan(monkeypatch, drafts, chain_steps):
 def test_chain_steps_need_vllms_schedule():
     from vllm_ddtree.v1.worker.gpu.model_runner import check_chain_steps
 
-    def config(async_scheduling, schedule):
+    def config(async_scheduling, schedule, max_num_seqs=16):
         return SimpleNamespace(
-            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+            scheduler_config=SimpleNamespace(
+                async_scheduling=async_scheduling, max_num_seqs=max_num_seqs
+            ),
             speculative_config=SimpleNamespace(
                 num_speculative_tokens_per_batch_size=schedule
             ),
         )
 
-    check_chain_steps(config(True, [(1, 1 << 20, 15)]))
+    cfg = DDTreeConfig(budget=64, max_depth=15, chain_from_batch_size=16)
+    schedule = [(1, 15, 64), (16, 1 << 20, 15)]
+    check_chain_steps(config(True, schedule), cfg)
     with pytest.raises(ValueError, match="chain_from_batch_size needs async"):
-        check_chain_steps(config(False, [(1, 1 << 20, 15)]))
+        check_chain_steps(config(False, schedule), cfg)
     with pytest.raises(ValueError, match="data parallelism"):
-        check_chain_steps(config(True, None))
+        check_chain_steps(config(True, None), cfg)
+    with pytest.raises(ValueError, match="= 16 is more than max_num_seqs = 8"):
+        check_chain_steps(config(True, schedule, max_num_seqs=8), cfg)

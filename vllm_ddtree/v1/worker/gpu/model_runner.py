@@ -48,7 +48,7 @@ from vllm.v1.worker.gpu.input_batch import InputBatch
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.utils import AttentionGroup
 
-from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.v1.attention.backends.tree_attn import (
     UniformFill,
     publish_tree,
@@ -88,7 +88,7 @@ class DDTreeV2ModelRunner(GPUModelRunner):
         cfg = get_ddtree_config(vllm_config)
         assert cfg is not None, "the DDTree runner needs method 'ddtree'"
         if cfg.chain_length is not None:
-            check_chain_steps(vllm_config)
+            check_chain_steps(vllm_config, cfg)
         self.ddtree = cfg
         # Short prompts beside the trees are chain rows of the tree pass
         # (FlashAttention then sits out that step), up to the largest tree
@@ -303,10 +303,18 @@ class DDTreeV2ModelRunner(GPUModelRunner):
     token_budget_hint = DDTreeModelRunnerMixin.token_budget_hint
 
 
-def check_chain_steps(vllm_config) -> None:
-    """Chain steps need vLLM's batch-size schedule (which asks chain batches
-    for chains) to reach the scheduler's drafts: under async scheduling
-    only, and vLLM drops the schedule under data parallelism."""
+def check_chain_steps(vllm_config, cfg: DDTreeConfig) -> None:
+    """Chain steps need a batch that reaches their size, and vLLM's
+    batch-size schedule (which asks chain batches for chains) to reach the
+    scheduler's drafts: under async scheduling only, and vLLM drops the
+    schedule under data parallelism."""
+    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+    if cfg.chain_from_batch_size > max_num_seqs:
+        raise ValueError(
+            f"ddtree.chain_from_batch_size = {cfg.chain_from_batch_size} is more "
+            f"than max_num_seqs = {max_num_seqs}: no batch would take chain "
+            "steps. Lower it, or leave it out."
+        )
     if not vllm_config.scheduler_config.async_scheduling:
         raise ValueError(
             "ddtree.chain_from_batch_size needs async scheduling (vLLM's V2 "
