@@ -530,8 +530,6 @@ def table(rows: list[dict]) -> str:
             budget = f"{budget} fixed"
         if r.get("flash_context"):
             budget = f"{budget} flash-ctx"
-        if r.get("chain_from"):
-            budget = f"{budget}, chains from {r['chain_from']}"
         spec = _base_method(r["method"]) != "nospec"
         tau = r["tau"] if spec else None
         # Rows from before the draft-token counter have no nodes_per_draft.
@@ -550,15 +548,17 @@ def table(rows: list[dict]) -> str:
 
 
 def _variant(r: dict) -> str:
-    """A row's method as the table names it (runner suffix, async, steady)."""
+    """A row's method as the table names it (runner suffix, async, steady,
+    chain steps)."""
     suffixes = [("async", r.get("async_scheduling")), ("steady", r.get("steady"))]
-    return " ".join([r["method"], *(name for name, on in suffixes if on)])
+    chains = [f"chains from {r['chain_from']}"] if r.get("chain_from") else []
+    return " ".join([r["method"], *(name for name, on in suffixes if on), *chains])
 
 
 def _tree_size(r: dict) -> float:
     """A DDTree row's tree size: its budget, or under a batch-size schedule
-    the nodes it verified a step."""
-    if r.get("schedule") and r.get("nodes_per_draft"):
+    or with chain steps the nodes it verified a step."""
+    if (r.get("schedule") or r.get("chain_from")) and r.get("nodes_per_draft"):
         return r["nodes_per_draft"]
     return r["budget"]
 
@@ -696,12 +696,17 @@ def batch_schedules(rows: list[dict]) -> dict[str, list[list[int]]]:
     runner): per adaptive DDTree engine and temperature, the sizes its
     budget chose; and per fixed-budget DDTree variant (runner, scheduling,
     mode) and temperature timed at two or more budgets, the fastest budget
-    at each batch size."""
+    at each batch size (engines with a schedule or chain steps of their own
+    are not fixed budgets)."""
     sizes: dict[str, dict[int, float]] = {}
     fastest: dict[str, dict[int, dict]] = {}
     budgets: dict[str, set[int]] = {}
     for r in rows:
-        if _base_method(r["method"]) != "ddtree" or r.get("schedule"):
+        if (
+            _base_method(r["method"]) != "ddtree"
+            or r.get("schedule")
+            or r.get("chain_from")
+        ):
             continue
         if r.get("adaptive_budget"):
             name = f"{r['method']} B={r['budget']} T={r['temperature']:g}"

@@ -394,7 +394,16 @@ def test_chain_steps_are_an_engine_per_setting():
     ]
     ratios = {r.get("chain_from"): r["vs_dflash"] for r in add_ratios(rows)[1:]}
     assert ratios == {None: pytest.approx(0.9), 9: pytest.approx(0.99)}
-    assert "64 fixed, chains from 9" in table(add_ratios(rows))
+    assert "| ddtree-v2 chains from 9 | 64 fixed |" in table(add_ratios(rows))
+    # Its own series in the plots, at the nodes it verified a step.
+    rows[2]["nodes_per_draft"] = 15.0
+    for r in rows:
+        r["vs_nospec"] = r["tok_s"] / 100.0
+    (series,) = speedup_series(rows, 0.0)
+    assert series["ddtree"] == {
+        "ddtree-v2": [(64, 0.9)],
+        "ddtree-v2 chains from 9": [(15.0, 0.99)],
+    }
 
 
 def test_batch_schedule_from_adaptive_tree_sizes():
@@ -433,6 +442,8 @@ def test_batch_schedules_pick_the_fastest_fixed_budget():
         for (batch, budget), t in tok_s.items()
     ]
     rows.append(_row("ddtree", 70.0, 16, adaptive_budget=False))
+    # An engine with chain steps is no fixed budget, however fast.
+    rows.append(_row("ddtree-v2", 3000.0, 64, batch=64, chain_from=9, **v2))
     assert batch_schedules(rows) == {
         "ddtree-v2 async fastest fixed B T=0": [[1, 15, 64], [16, 64, 16]]
     }
