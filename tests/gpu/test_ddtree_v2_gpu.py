@@ -155,6 +155,19 @@ def test_v2_seeded_samples_equal_v2_no_spec(fixtures, expected):
         shutdown_llm(llm)
 
 
+def _steady_greedy(llm: LLM, batch: int) -> list[list[int]]:
+    """Greedy outputs of the prompts run ``batch`` at a time, the next one
+    entering as one finishes (as a server admits them)."""
+    from benchmarks.bench_e2e import run_steady
+
+    return run_steady(
+        llm,
+        lambda k: ({"prompt_token_ids": PROMPTS[k]}, GREEDY),
+        batch=batch,
+        enough=lambda submitted: submitted >= len(PROMPTS),
+    )
+
+
 def _step_parts():
     """DDTree's own parts of a V2 step, each a ``(class, method)``."""
     from vllm_ddtree.v1.worker.gpu.model_runner import DDTreeV2ModelRunner
@@ -194,7 +207,6 @@ def test_v2_requests_entering_mid_run(fixtures, expected, monkeypatch):
     tree attention's forward and metadata included, neither synchronise
     nor upload from pageable memory (each would make the host wait for the
     GPU, undoing async scheduling's overlap)."""
-    from benchmarks.bench_e2e import run_steady
     from vllm_ddtree.v1.attention.backends.tree_attn import (
         TreeAttentionImplMixin,
         TreeMetadataBuilderMixin,
@@ -230,12 +242,7 @@ def test_v2_requests_entering_mid_run(fixtures, expected, monkeypatch):
             fail_on_host_sync(monkeypatch, owner, name, checked)
         for owner, name in ours:
             fail_on_host_sync(monkeypatch, owner, name, checked, pageable_uploads=True)
-        outputs = run_steady(
-            llm,
-            lambda k: ({"prompt_token_ids": PROMPTS[k]}, GREEDY),
-            batch=3,
-            enough=lambda submitted: submitted >= len(PROMPTS),
-        )
+        outputs = _steady_greedy(llm, batch=3)
     finally:
         shutdown_llm(llm)
     assert outputs == expected["greedy"]
@@ -273,7 +280,6 @@ def test_v2_chain_steps(fixtures, expected, monkeypatch):
     scheduling plans before the next prompt arrives) the steps cross
     between the two. Greedy outputs stay V2 no-spec's and no DDTree kernel
     compiles while serving."""
-    from benchmarks.bench_e2e import run_steady
     from vllm_ddtree.v1.worker.gpu.model_runner import DDTreeV2ModelRunner
 
     seen = record_uniform_fills(monkeypatch)
@@ -295,12 +301,7 @@ def test_v2_chain_steps(fixtures, expected, monkeypatch):
             batch_steps, chain_steps[:] = list(chain_steps), []
             alone = _generate(llm, GREEDY, PROMPTS[:1])
             alone_steps, chain_steps[:] = list(chain_steps), []
-            steady = run_steady(
-                llm,
-                lambda k: ({"prompt_token_ids": PROMPTS[k]}, GREEDY),
-                batch=4,
-                enough=lambda submitted: submitted >= len(PROMPTS),
-            )
+            steady = _steady_greedy(llm, batch=4)
     finally:
         shutdown_llm(llm)
     assert not compiled, compiled
