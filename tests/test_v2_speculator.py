@@ -90,6 +90,25 @@ def test_generate_draft_builds_best_first_trees(chain_from_batch_size):
     assert not spec.chain_drafts[num_reqs:].any()
 
 
+def test_chains_break_ties_as_dflash_does(monkeypatch):
+    """A chain's token is DFlash's greedy draft (the argmax: the first of
+    tied logits), whatever order the top-k gives tied logits."""
+    spec = _speculator(chain_from_batch_size=2)
+    logits = torch.zeros(MAX_REQS * DEPTH, VOCAB)
+    logits[:, 2] = logits[:, 5] = 1.0
+    spec._run_model = lambda *args: logits
+    topk = module.draft_topk
+
+    def ties_last_first(logits, k):
+        values, tokens = topk(logits, k)
+        return values, torch.where(tokens == 2, 5, torch.where(tokens == 5, 2, tokens))
+
+    monkeypatch.setattr(module, "draft_topk", ties_last_first)
+    spec._generate_draft(2, 2 * (1 + DEPTH), None, None, None)
+    assert (spec.trees.tokens[:2, 0] == 5).all()  # the tree's first child
+    assert (spec.chain_drafts[:2, :DEPTH] == 2).all()
+
+
 def test_chain_batches_propose_chains(monkeypatch):
     """From ``chain_from_batch_size`` requests on, ``propose`` returns the
     chains and keeps each as its request's tree (a node per position, each

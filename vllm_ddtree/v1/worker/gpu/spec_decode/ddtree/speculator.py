@@ -21,7 +21,7 @@ precompute and CUDA graphs stay vLLM's). Three things change:
   ``num_rejected`` arithmetic reads the accepted path as a chain.
 
 With chain steps (``ddtree.chain_from_batch_size``) the graph also keeps
-DFlash's own chain, the top token of every drafted position, and a batch of
+DFlash's own chain, the argmax of every drafted position, and a batch of
 at least that many requests proposes chains: the scheduler asks each of its
 requests for a chain's draft length (see ``config.with_chain_steps``), the
 same batch size deciding both. A request's chain is also kept as its tree
@@ -204,17 +204,17 @@ class DDTreeSpeculator(DFlashSpeculator):
             cudagraph_runtime_mode,
         )
         rows = self.sample_indices[: num_reqs * self.num_speculative_steps]
-        values, tokens = draft_topk(
-            self.model.compute_logits(hidden_states[rows]), self.ddtree.budget
-        )
+        logits = self.model.compute_logits(hidden_states[rows])
+        values, tokens = draft_topk(logits, self.ddtree.budget)
         trees = build_draft_trees(values, tokens, self.ddtree)
         for name in _TREE_FIELDS:
             getattr(self.trees, name)[:num_reqs] = getattr(trees, name)
         chain = self.ddtree.chain_length
         if chain is not None:
-            # The top tokens (the first of each position's top-B) are DFlash's
-            # greedy draft.
-            top = tokens[:, 0].view(num_reqs, self.num_speculative_steps)
+            # DFlash's greedy draft, ties to the first token as DFlash breaks
+            # them (a top-k leaves the order of tied logits open, and bf16
+            # logits do tie).
+            top = logits.argmax(dim=-1).view(num_reqs, self.num_speculative_steps)
             self.chain_drafts[:num_reqs, :chain] = top[:, :chain]
 
     @torch.inference_mode()
