@@ -276,10 +276,9 @@ def test_v2_chain_steps(fixtures, expected, monkeypatch):
     below): the 12-prompt batch verifies DFlash chains of 15 with
     FlashAttention (full CUDA graphs captured for them, no tree buffers)
     and V2's rejection sampler, a lone request verifies trees, and with
-    requests entering as others finish (4 in flight, 3 in the steps async
-    scheduling plans before the next prompt arrives) the steps cross
-    between the two. Greedy outputs stay V2 no-spec's and no DDTree kernel
-    compiles while serving."""
+    requests entering as others finish (4 in flight, fewer as the last
+    ones finish) the steps cross between the two. Greedy outputs stay V2
+    no-spec's and no DDTree kernel compiles while serving."""
     from vllm_ddtree.v1.worker.gpu.model_runner import DDTreeV2ModelRunner
 
     seen = record_uniform_fills(monkeypatch)
@@ -317,7 +316,7 @@ def test_v2_chain_steps(fixtures, expected, monkeypatch):
 
 def test_v2_chain_steps_are_dflash_steps(fixtures):
     """With chain steps at every batch size, DDTree's steps are stock
-    DFlash's: the same drafts (each position's top token), verified by V2's
+    DFlash's: the same drafts (each position's argmax), verified by V2's
     rejection sampler with the same keys, so seeded T > 0 outputs equal
     stock DFlash's (V2, 15 drafts) token for token. (Stock DFlash on V2 is
     the oracle here: its sampling is lossless rejection sampling, not
