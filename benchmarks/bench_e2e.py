@@ -1102,6 +1102,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--async-scheduling with ddtree needs --fixed-budget")
     if "ddtree-v2" in args.methods and not args.fixed_budget:
         ap.error("ddtree-v2 needs --fixed-budget (V2 has no adaptive budgets)")
+    if any(args.chain_from) and not (
+        "ddtree-v2" in args.methods and args.async_scheduling
+    ):
+        ap.error("--chain-from needs --methods ddtree-v2 and --async-scheduling")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: give 1 or more")
     engines = len(_jobs(args))

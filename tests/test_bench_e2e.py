@@ -406,6 +406,23 @@ def test_chain_steps_are_an_engine_per_setting():
     }
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--methods", "dflash,ddtree", "--async-scheduling"],
+        ["--methods", "dflash,ddtree-v2"],
+    ],
+)
+def test_chain_steps_need_ddtree_on_v2_async(tmp_path, capsys, args):
+    """``--chain-from`` is refused where no engine could take it (DDTree on
+    the V1 runner) or none would start (synchronous scheduling)."""
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--fixed-budget", "--chain-from", "0,9", *args])
+    assert "--chain-from needs --methods ddtree-v2 and --async-scheduling" in (
+        capsys.readouterr().err
+    )
+
+
 def test_batch_schedule_from_adaptive_tree_sizes():
     """Mean tree sizes the adaptive budget chose at batch 1 / 4 / 16 / 64
     become ranges vLLM's schedule lookup reads back at every batch size."""
